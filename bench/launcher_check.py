@@ -64,9 +64,10 @@ def case_argv(work: Path) -> dict:
     import torch
     from torch.distributed.run import get_args_parser
 
-    from meshtron.launch import torchrun_args
+    from meshtron.launch import supported_argv, torchrun_args
 
-    argv = torchrun_args(1, 1, 30.0) + ["-m", "meshtron"]
+    # what the agent parses: the launcher's argv less the flags this torchrun lacks
+    argv = supported_argv(torchrun_args(1, 1, 30.0), get_args_parser()) + ["-m", "meshtron"]
     args = get_args_parser().parse_args(argv)
     return {"torch": torch.__version__, "cuda": torch.cuda.is_available(), "argv": argv,
             "parsed": {"nproc_per_node": args.nproc_per_node, "max_restarts": args.max_restarts,

@@ -135,9 +135,13 @@ def rank_argv() -> list[str] | None:
 
 
 def max_local_ranks() -> int:
+    from meshtron.calibrate.device import cuda_available
+
+    if not cuda_available():  # known without torch on a node with no GPU (the launcher)
+        return MAX_CPU_RANKS
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else MAX_CPU_RANKS
+    return torch.cuda.device_count()
 
 
 def check_nproc(nproc: int) -> None:
@@ -149,18 +153,32 @@ def check_nproc(nproc: int) -> None:
 def torchrun_args(nproc: int, max_restarts: int = 0, grace_s: float = 30.0,
                   rendezvous: list[str] | None = None, parser=None) -> list[str]:
     """torchrun's command line for `launch_local` (without the program): the flags every torch
-    of the supported range knows, plus the newer ones that `parser` (torchrun's own,
-    `torch.distributed.run.get_args_parser()`) accepts. Feature detection, not version checks:
-    `--shutdown-timeout` came after torch 2.11, whose torchrun refuses it."""
-    if parser is None:
-        from torch.distributed.run import get_args_parser
-
-        parser = get_args_parser()
+    of the supported range knows, plus the newer ones (OPTIONAL_FLAGS) that `parser`
+    (torchrun's own, `torch.distributed.run.get_args_parser()`) accepts, or all of them when
+    `parser` is None: then `torchrun_main`, in the agent's process, drops those its torchrun
+    lacks (`supported_argv`), so that the launcher never imports torch for its parser.
+    Feature detection, not version checks: `--shutdown-timeout` came after torch 2.11, whose
+    torchrun refuses it."""
     args = [*(rendezvous or ["--standalone"]), f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}"]
     # torchrun's own SIGTERM handling gives the workers this long before SIGKILL
     optional = [f"--shutdown-timeout={math.ceil(grace_s + EXIT_MARGIN_S)}"]
-    return args + [flag for flag in optional if accepts(parser, flag)]
+    return args + [flag for flag in optional if parser is None or accepts(parser, flag)]
+
+
+OPTIONAL_FLAGS = ("--shutdown-timeout=",)
+"""torchrun flags newer than the oldest torch meshtron supports: given only where accepted."""
+
+
+def supported_argv(argv: list[str], parser) -> list[str]:
+    """`argv` less the OPTIONAL_FLAGS this torchrun's `parser` lacks; a dropped
+    --shutdown-timeout is said once when the grace period it carried is longer than torchrun's
+    fixed one (`warn_unsupported`)."""
+    kept = [a for a in argv if not a.startswith(OPTIONAL_FLAGS) or accepts(parser, a)]
+    for flag in argv:
+        if flag not in kept and flag.startswith("--shutdown-timeout="):
+            warn_unsupported(kept, float(flag.split("=", 1)[1]) - EXIT_MARGIN_S)
+    return kept
 
 
 def accepts(parser, flag: str) -> bool:
@@ -192,7 +210,6 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
     check_nproc(nproc)
     cmd = [sys.executable, "-m", "meshtron.launch",
            *torchrun_args(nproc, max_restarts, grace_s, rendezvous), "-m", "meshtron"]
-    warn_unsupported(cmd, grace_s)
     child_env = {**os.environ, **(env or {})}
     child_env.setdefault("OMP_NUM_THREADS", "1")
     child_env[ARGV_ENV] = json.dumps(argv)
@@ -391,7 +408,8 @@ def torchrun_main(argv: list[str]) -> int:
     for module in (agent_api, mp_api):  # Ctrl-C: the launcher's one line, not torchrun's
         logging.getLogger(module.__name__).addFilter(_not_about_sigint)
 
-    args, unknown = get_args_parser().parse_known_args(argv)
+    parser = get_args_parser()
+    args, unknown = parser.parse_known_args(supported_argv(argv, parser))
     if unknown:
         print(f"meshtron: torchrun of torch {torch.__version__} does not know "
               f"{' '.join(unknown)}; no rank started", file=sys.stderr)

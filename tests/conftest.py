@@ -106,8 +106,10 @@ def int8_run(request, tmp_path_factory):
             done = root / f"{path.name}.done"
             if not done.exists():
                 shutil.rmtree(path, ignore_errors=True)  # a worker that failed half-way
+                from testkit import no_torch  # the launcher of a compressed run: no torch
+
                 proc = subprocess.run(
-                    [sys.executable, "-m", "meshtron", "train", "--model", "debug", "--seq-len",
+                    [*no_torch.COMMAND, "train", "--model", "debug", "--seq-len",
                      "32", "--global-batch", "8", "--eval-every", "0", "--steps", "8",
                      "--grad-compression", "int8", "--checkpoint-every", "4", "--nproc", "2",
                      "--plan", "dp=2", "--zero", str(zero), *flags, "--run-dir", str(path)],

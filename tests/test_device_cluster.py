@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshtron.calibrate.device import catalogue_gpu, detected_cluster
+from meshtron.calibrate.device import catalogue_gpu, detected_cluster, no_gpu_here
 from meshtron.errors import UserError
 
 GIB = 2**30
@@ -26,6 +26,19 @@ GIB = 2**30
 ])
 def test_device_name_to_catalogue(name, mem_gib, want):
     assert catalogue_gpu(name, int(mem_gib * GIB)) == want
+
+
+def test_no_gpu_here_reads_the_visible_devices_then_the_driver_files(tmp_path):
+    """What the launcher asks before it would import torch (real files, an injected env)."""
+    driver = tmp_path / "nvidiactl"
+    present, absent = (str(driver),), (str(tmp_path / "kfd"),)
+    driver.write_text("")
+    assert no_gpu_here({}, absent)  # no driver: no GPU, whatever the environment says
+    assert no_gpu_here({"CUDA_VISIBLE_DEVICES": "0"}, absent)
+    assert not no_gpu_here({}, present)  # a driver: torch decides (it may still find none)
+    assert not no_gpu_here({"CUDA_VISIBLE_DEVICES": "0,1"}, (*absent, *present))
+    for hidden in ("", " ", "-1"):  # CUDA's "no device visible"
+        assert no_gpu_here({"CUDA_VISIBLE_DEVICES": hidden}, present)
 
 
 def test_cluster_from_fake_device_properties():

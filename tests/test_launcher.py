@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from meshtron.errors import RunFailed, UserError
-from meshtron.launch import (PARENT_ENV, accepts, launch_local, torchrun_args,
+from meshtron.launch import (PARENT_ENV, accepts, launch_local, supported_argv, torchrun_args,
                              warn_unsupported)
 from meshtron.train import run_lock
 
@@ -287,9 +287,15 @@ def test_a_flag_this_torchrun_lacks_is_left_out_and_said_once(capsys):
     assert len(err.splitlines()) == 1 and "no --shutdown-timeout" in err and "45 s" in err
     from torch.distributed.run import get_args_parser
 
-    warn_unsupported(torchrun_args(2, 0, 45.0), 45.0)  # this torch: whatever its torchrun has
+    # the agent's filter (the launcher gives every flag and imports no torch): the same
+    assert supported_argv(torchrun_args(2, 0, 30.0), old) == argv
+    assert capsys.readouterr().err == ""
+    assert supported_argv(torchrun_args(2, 0, 45.0), old) == torchrun_args(2, 0, 45.0, parser=old)
+    assert "45 s asked" in capsys.readouterr().err
+    kept = supported_argv(torchrun_args(2, 0, 45.0), get_args_parser())  # this torch's torchrun
     said = "no --shutdown-timeout" in capsys.readouterr().err
     assert said != accepts(get_args_parser(), "--shutdown-timeout=1")
+    assert said != any(a.startswith("--shutdown-timeout=") for a in kept)
 
 
 def test_a_torchrun_failure_before_any_rank_is_named_as_such(capfd):

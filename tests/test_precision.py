@@ -10,7 +10,7 @@ from meshtron.cli import build_parser, main
 from meshtron.errors import UserError
 from meshtron.planner.plan import Plan
 from meshtron.train.cli import run_config
-from meshtron.train.precision import default_dtype
+from meshtron.calibrate.device import default_dtype
 
 
 def _cfg(*argv):

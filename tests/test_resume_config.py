@@ -47,14 +47,15 @@ def test_every_setting_has_a_resume_decision():
     assert all(d in allowed and why for d, why in resume_fields.FIELDS.values())
 
 
-def _meshtron(*argv, **popen):
+def _meshtron(*argv, command=(sys.executable, "-m", "meshtron"), **popen):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "meshtron", *argv], stdout=subprocess.PIPE,
+    return subprocess.Popen([*command, *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, **popen)
 
 
-def _run(*argv, timeout=600):
-    proc = _meshtron(*argv)
+def _run(*argv, timeout=600, command=(sys.executable, "-m", "meshtron")):
+    """`command` testkit.no_torch.COMMAND: the launcher may not import torch."""
+    proc = _meshtron(*argv, command=command)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
 

@@ -17,6 +17,7 @@ import pytest
 from meshtron.checkpoint import store
 
 from test_resume_config import RUN, _losses, _run
+from testkit import no_torch
 
 
 def _drop_last(ref, run_dir, steps):
@@ -30,13 +31,16 @@ def _plan(run_dir):
 
 
 def test_resume_without_nproc_runs_on_the_recorded_ranks(tmp_path):
+    """Both launchers (a searched plan, checkpoints, --resume's checks) run without torch on this
+    GPU-less node (testkit/no_torch.py)."""
     ref = tmp_path / "ref"
     code, _, err = _run("train", *RUN, "--nproc", "2", "--diloco", "2", "--steps", "4",
-                        "--checkpoint-every", "2", "--run-dir", str(ref))
+                        "--checkpoint-every", "2", "--run-dir", str(ref),
+                        command=no_torch.COMMAND)
     assert code == 0, err[-2000:]
     run_dir = tmp_path / "resumed"
     _drop_last(ref, run_dir, (4,))
-    code, _, err = _run("train", "--run-dir", str(run_dir), "--resume")
+    code, _, err = _run("train", "--run-dir", str(run_dir), "--resume", command=no_torch.COMMAND)
     assert code == 0, err[-2000:]
     assert "resuming on" not in err and "resumed from" in err, err[-2000:]
     assert _plan(run_dir)["gpus"] == 2 and _plan(run_dir)["diloco"] == 2

@@ -31,9 +31,12 @@ from pathlib import Path
 
 import pytest
 
+from testkit import no_torch
 from testkit.procs import rank_pids, records
 
-TRAIN = [sys.executable, "-m", "meshtron", "train", "--nproc", "2", "--plan", "dp=2",
+# testkit.no_torch: the launcher, which reads what the ranks left (a preemption, a storage
+# error, a signal, the restart budget) and reports it, does so without importing torch
+TRAIN = [*no_torch.COMMAND, "train", "--nproc", "2", "--plan", "dp=2",
          "--model", "debug", "--seq-len", "32", "--global-batch", "8", "--eval-every", "0"]
 
 

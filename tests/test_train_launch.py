@@ -15,15 +15,20 @@ import pytest
 from meshtron.cli import main
 from meshtron.config import config_from_dict
 from meshtron.train.loop import train
+from testkit import no_torch
 
 RUN = ["--model", "debug", "--steps", "3", "--seq-len", "32", "--global-batch", "8",
        "--eval-every", "0"]
 
 
 def _meshtron(*argv, timeout=240):
+    """`meshtron ARGV`; `train` in a process that fails on any torch import (testkit/no_torch.py):
+    on this GPU-less node (conftest hides the devices) the launcher plans, checks the data and
+    starts the ranks without torch."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "meshtron", *argv], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    command = no_torch.COMMAND if argv[0] == "train" else [sys.executable, "-m", "meshtron"]
+    return subprocess.run([*command, *argv], capture_output=True, text=True, timeout=timeout,
+                          env=env)
 
 
 def _losses(path, key="loss"):
@@ -52,6 +57,22 @@ def test_bad_plans_fail_before_any_rank_starts(capsys, tmp_path, argv, needle):
     assert code == 2, err
     assert len(err.splitlines()) == 1 and needle in err, err
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("data,needle", [
+    ("/no/such/corpus.txt", "data.source='/no/such/corpus.txt': does not exist"),
+    ("short.txt", "data.seq_len=32: the held-out split of"),  # read and tokenised, too short
+])
+def test_the_launchers_data_check_is_one_line_without_torch(tmp_path, data, needle):
+    """`meshtron train --nproc 2` as typed: the data is read, tokenised and split by the parent
+    without importing torch (testkit/no_torch.py) and refused in one line before any rank."""
+    (tmp_path / "short.txt").write_text("a short corpus\n" * 40)
+    proc = _meshtron("train", *RUN, "--eval-every", "1", "--nproc", "2", "--data",
+                     data if data.startswith("/") else str(tmp_path / data),
+                     "--run-dir", str(tmp_path / "r"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.fixture(scope="module")

@@ -88,10 +88,49 @@ def device_cluster(world_size: int):
                             node.local_ranks or world_size)
 
 
-def this_node() -> NodeDevice:
-    """This node's first visible GPU, or the CPU (imports torch)."""
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")
+"""What a GPU kernel driver puts on a node: /proc/driver/nvidia and /dev/nvidiactl are the
+NVIDIA driver's, /dev/kfd ROCm's; the container toolkits mount them into a GPU container."""
+
+
+def no_gpu_here(environ=None, driver_paths: tuple[str, ...] = GPU_DRIVER_PATHS) -> bool:
+    """No process started from here can use a GPU, known without importing torch (the launcher
+    of a CPU run then starts its ranks without the 1-2 s of torch's import): CUDA_VISIBLE_DEVICES
+    set empty or to -1 hides every device (CUDA's documented behaviour; torch then reports none),
+    or none of `driver_paths` exists (no GPU kernel driver). False means "ask torch", not "there
+    is a GPU". `environ`: os.environ when None."""
     import os
 
+    visible = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return True
+    return not any(os.path.exists(p) for p in driver_paths)
+
+
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch where `no_gpu_here` says no GPU."""
+    if no_gpu_here():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def default_dtype(cuda: bool | None = None) -> str:
+    """The run's precision when none is given: bf16 mixed precision on CUDA (what the hardware
+    is for; the planner plans bf16 by default), fp32 on CPU (bf16 matmuls are emulated and
+    slower there)."""
+    if cuda is None:
+        cuda = cuda_available()
+    return "bf16" if cuda else "fp32"
+
+
+def this_node() -> NodeDevice:
+    """This node's first visible GPU, or the CPU (imports torch unless `no_gpu_here`)."""
+    import os
+
+    if not cuda_available():
+        return NodeDevice("cpu", "cpu")
     import torch
 
     if not torch.cuda.is_available():

@@ -478,12 +478,3 @@ def _layout(plan: dict[str, Any] | None) -> str:
         schedule = f" schedule={plan['schedule']}" + (f":{v}" if v > 1 else "")
     return (f", layout tp={plan.get('tp')}{cp} pp={plan.get('pp')} dp={plan.get('dp')}{ep} "
             f"zero={plan.get('zero')}{schedule}")
-
-
-def was_preempted(cfg: Any) -> dict[str, Any] | None:
-    """The preemption record of the run that just ended, if SIGTERM stopped it."""
-    path = store.checkpoint_root(cfg.train.run_dir) / store.PREEMPTED
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None

@@ -270,3 +270,12 @@ def _remove_whole(path: Path) -> None:
     except OSError:  # e.g. a leftover of that name: delete in place as before
         doomed = path
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def was_preempted(run_dir: str | Path) -> dict[str, Any] | None:
+    """The preemption record (PREEMPTED) of the run in `run_dir` that just ended, if SIGTERM
+    stopped it. Here, not in the checkpointer: the launcher reads it without importing torch."""
+    try:
+        return json.loads((checkpoint_root(run_dir) / PREEMPTED).read_text())
+    except (OSError, ValueError):
+        return None

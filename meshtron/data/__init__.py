@@ -16,16 +16,6 @@ from meshtron.data.corpus import (
     stdlib_files,
     stdlib_root,
 )
-from meshtron.data.dataset import (
-    Batch,
-    DistributedBatchSampler,
-    EvalBatches,
-    TokenDataset,
-    TrainLoader,
-    check_dp,
-    epoch_permutation,
-    split_micro_batches,
-)
 from meshtron.data.pipeline import Data, build_data, load_corpus, source_kind
 from meshtron.data.sources import (
     TEXT_SUFFIXES,
@@ -45,6 +35,24 @@ from meshtron.data.tokenizer import (
     token_dtype,
     tokenizer_info,
 )
+
+# The dataset's names (torch tensors) load on first use (PEP 562),
+# so that `meshtron train --nproc N`'s launcher, which reads tokenizers and corpora but builds
+# no batches, starts its ranks without importing torch.
+_LAZY = {
+    **dict.fromkeys(("Batch", "DistributedBatchSampler", "EvalBatches", "TokenDataset",
+                     "TrainLoader", "check_dp", "epoch_permutation", "split_micro_batches"),
+                    "meshtron.data.dataset"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'meshtron.data' has no attribute {name!r}")
+
 
 __all__ = [
     "BYTE_VOCAB", "Batch", "Data", "BPETokenizer", "ByteTokenizer", "DEFAULT_HOLDOUT_EVERY",

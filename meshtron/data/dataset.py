@@ -19,17 +19,25 @@ under a different dp size.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
-import torch
 
 from meshtron.errors import UserError
+
+# torch is imported by the first batch made, not here: the windows, the sampler and the
+# held-out picks are numpy, so `build_data` (and `meshtron train --nproc N`'s launcher, which
+# checks the data before any rank starts) runs without importing torch.
+if TYPE_CHECKING:
+    import torch
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+if TYPE_CHECKING:
+    Batch = tuple[torch.Tensor, torch.Tensor]
+else:
+    Batch = tuple
 """(inputs, targets): two int64 tensors of shape [rows, seq_len]."""
 
 
@@ -115,6 +123,8 @@ class TokenDataset:
 
     def batch(self, indices: np.ndarray | Sequence[int]) -> Batch:
         """(inputs, targets) LongTensors of shape [len(indices), seq_len]."""
+        import torch  # once per step (see the imports above)
+
         w = torch.from_numpy(self.windows(indices))
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from meshtron.data.corpus import (
     DEFAULT_HOLDOUT_EVERY,
@@ -20,14 +20,6 @@ from meshtron.data.corpus import (
     split_documents,
     split_tokens,
     stdlib_documents,
-)
-from meshtron.data.dataset import (
-    Batch,
-    DistributedBatchSampler,
-    EvalBatches,
-    TokenDataset,
-    TrainLoader,
-    check_dp,
 )
 from meshtron.data.sources import (
     JSONL_SUFFIXES,
@@ -52,6 +44,9 @@ from meshtron.data.tokenizer import (
     tokenizer_info,
 )
 from meshtron.errors import UserError
+
+if TYPE_CHECKING:  # the dataset imports torch: build_data imports it (see data/__init__.py)
+    from meshtron.data.dataset import Batch, EvalBatches, TrainLoader
 
 STDLIB = "stdlib"
 
@@ -268,6 +263,9 @@ def build_data(source: str | Path = STDLIB, tokenizer: str = "byte", seq_len: in
 
     Returns a `Data`, which unpacks as `(train_loader, eval_batches)`.
     """
+    from meshtron.data.dataset import (DistributedBatchSampler, EvalBatches, TokenDataset,
+                                       TrainLoader, check_dp)
+
     check_dp(global_batch, dp_rank, dp_size)  # fail fast, before any reading
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
         raise UserError(f"data.seq_len={seq_len!r}: must be a positive integer")

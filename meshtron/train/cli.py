@@ -191,7 +191,7 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
     table = doc.get("train")
     if overrides.get("train.dtype") is None and not (isinstance(table, dict)
                                                      and "dtype" in table):
-        from meshtron.train.precision import default_dtype
+        from meshtron.calibrate.device import default_dtype
 
         overrides["train.dtype"] = default_dtype()  # bf16 on CUDA, fp32 on CPU
     init_from = overrides.get("train.init_from") or (

@@ -223,7 +223,7 @@ def launch_node(job) -> int:
     from meshtron.launch import check_nproc, current_world, launch_local
     from meshtron.train.job import warn, write_run_file
     from meshtron.checkpoint import EXIT_PREEMPTED, EXIT_STORAGE
-    from meshtron.train.loop import build_run_data
+    from meshtron.train.run_data import build_run_data
 
     elastic = job.elastic
     if current_world().source == "torchrun":

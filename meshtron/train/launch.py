@@ -76,11 +76,11 @@ def launch_ranks(job: TrainJob) -> int:
     """The parent of `--nproc N` local ranks: validate, plan, save, launch, report."""
     from meshtron.data.documents import check_document_layout
     from meshtron.launch import check_nproc
-    from meshtron.train.loop import build_run_data
+    from meshtron.train.run_data import build_run_data
     from meshtron.train.planning import cluster_choice, local_world_size, resolve_run_plan
 
     from meshtron.checkpoint import EXIT_PREEMPTED
-    from meshtron.checkpoint.checkpointer import was_preempted
+    from meshtron.checkpoint.store import was_preempted
 
     request = job.parallel or ParallelRequest()
     nproc = local_world_size(request)
@@ -111,7 +111,7 @@ def launch_ranks(job: TrainJob) -> int:
 
             remove_job(run_dir)
         run_lock.release(run_dir)
-    preempted = was_preempted(job.cfg)
+    preempted = was_preempted(run_dir)
     if preempted is not None:
         print(f"meshtron train: preempted; checkpoint of step {preempted['step']} committed, "
               f"exit code {EXIT_PREEMPTED}; continue with --resume", file=sys.stderr)
@@ -203,7 +203,7 @@ def dtype_note(job: TrainJob, request: ParallelRequest, plan) -> str:
     default: `meshtron plan --save` plans bf16 unless told otherwise, and a CPU run would
     otherwise train bf16 without saying so."""
     from meshtron.train.planning import is_plan_file
-    from meshtron.train.precision import default_dtype
+    from meshtron.calibrate.device import default_dtype
 
     if not is_plan_file(request.plan) or plan.dtype == default_dtype():
         return ""
@@ -234,7 +234,7 @@ def claim_run_dir(job: TrainJob, plan) -> None:
     """Hold the run folder for this run (a second run there is refused while this one lives),
     then clear what a fresh run replaces. After every check of the input: bad input found
     here still leaves nothing behind. `plan`: the ranks' Plan (None: one process)."""
-    from meshtron.checkpoint.checkpointer import prepare_start
+    from meshtron.checkpoint.resume import prepare_start
 
     run_lock.claim(job.cfg.train.run_dir)
     try:

@@ -112,8 +112,6 @@ def resolve_run_plan(cfg: RunConfig, request: ParallelRequest, world_size: int,
                      cluster=None):
     """Returns (Plan, ClusterSpec): a saved plan checked against this run, or the planner's
     best plan for this world with the fixed knobs, on `cluster` (None: `local_cluster`)."""
-    from meshtron.parallel import resolve_plan
-
     cluster = cluster or local_cluster(world_size, request.cluster)
     from meshtron.compress.cli import apply as apply_comm
 
@@ -128,14 +126,14 @@ def resolve_run_plan(cfg: RunConfig, request: ParallelRequest, world_size: int,
     if cfg.train.compile and not plan.compile:  # --compile on a saved eager plan: the plan
         plan = dataclasses.replace(plan, compile=True)  # the ranks run (and plan.toml) says so
     # The runtime's own checks (world size, heads, kv_heads, layers, schedule traps, what
-    # compiles: plan.py `runtime_problem`).
-    resolve_plan(plan, world_size, cfg.model)
+    # compiles: plan.py `runtime_problem`); the planner's, which parallel.resolve_plan calls
+    # too: the launcher imports no torch for them.
+    plan.validate(world_size, cfg.model)
     if plan.async_tp:  # before any rank starts: the ranks pick the device the same way
-        import torch
-
+        from meshtron.calibrate.device import cuda_available
         from meshtron.parallel.compile import async_tp_problem
 
-        problem = async_tp_problem("cuda" if torch.cuda.is_available() else "cpu")
+        problem = async_tp_problem("cuda" if cuda_available() else "cpu")
         if problem:
             raise UserError(problem)
     return plan, cluster

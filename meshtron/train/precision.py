@@ -20,14 +20,6 @@ import copy
 import torch
 from torch import nn
 
-def default_dtype(cuda: bool | None = None) -> str:
-    """The run's precision when none is given: bf16 mixed precision on CUDA (what the hardware
-    is for; the planner plans bf16 by default), fp32 on CPU (bf16 matmuls are emulated and
-    slower there)."""
-    if cuda is None:
-        cuda = torch.cuda.is_available()
-    return "bf16" if cuda else "fp32"
-
 
 def configure_matmul_precision(device: torch.device, dtype: str) -> None:
     """fp32 runs on CUDA use TF32 tensor cores for matmuls and convolutions (10-bit mantissa

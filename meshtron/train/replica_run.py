@@ -51,7 +51,7 @@ def run_replica_ft(job, max_restarts: int) -> int:
     from meshtron.train import outputs
     from meshtron.train.launch import claim_run_dir, write_single_process_files
     from meshtron.train.job import warn
-    from meshtron.train.loop import build_run_data
+    from meshtron.train.run_data import build_run_data
 
     cfg = job.cfg
     os.environ.setdefault("RUST_LOG", "error")  # the Lighthouse logs every quorum otherwise
