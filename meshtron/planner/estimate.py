@@ -263,7 +263,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
                                w.grad_extra if worst == 0 else 0.0, w.outputs[worst],
                                self._te_cache(w, worst), w.extra_accum,
                                w.moments[worst] if w.moments else None,
-                               *self._loose(w, b_exp), fixed=self._ep_buffers(w.ep))
+                               *self._loose(w, b_exp), fixed=self._ep_buffers(w.ep),
+                               buffers=w.buffers)
         if cfg.offload != "none" or cfg.offload_activations:
             mem = self._with_host(mem, cfg, w.host_gpu)
             fits = fits and mem.host_fits
