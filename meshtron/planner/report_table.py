@@ -144,7 +144,8 @@ def mfu_note(result: SearchResult) -> str | None:
     """Where the attention square is a large share of the model FLOPs (long sequences), one
     line saying the MFU column counts it whole, as Megatron-LM (Narayanan et al. 2021, eq. 3)
     and PaLM (Chowdhery et al. 2022, appendix B: 6N + 12 L H Q T) do, with the best plan's MFU
-    under a causal count (half the square, what causal attention kernels compute)."""
+    under a causal count (half the square, what causal attention kernels compute), and that
+    HFU counts what the kernels execute (compute_flops.executed_square_share)."""
     best, model, seq = result.best, result.model, result.seq_len
     if best is None:
         return None
@@ -156,7 +157,9 @@ def mfu_note(result: SearchResult) -> str | None:
     causal = best.mfu * (total - square / 2) / total
     return (f"MFU column: model FLOPs count attention as the full {seq} x {seq} square "
             f"(Megatron-LM's and PaLM's convention), {share:.0%} of them here; counting the "
-            f"causal half, the best plan's MFU is {causal * 100:.1f}%")
+            f"causal half, the best plan's MFU is {causal * 100:.1f}%; the HFU column (--wide) "
+            "counts the FLOPs the kernels execute (a causal flash kernel runs half the square, "
+            "plus recomputation)")
 
 
 def header(result: SearchResult) -> list[str]:
