@@ -258,6 +258,25 @@ def test_plan_prices_what_train_refuses(plan_cli, tmp_path):
     assert rc == 0, err
 
 
+def test_plan_counts_the_rope_tables_the_runtime_keeps(plan_cli, tmp_path):
+    """Audit 47 item 3: the runtime keeps the model's fp32 RoPE table of max_position_embeddings
+    rows and one local table of the run's sequence shared by Gemma 3's sliding blocks
+    (model/transformer.py); `meshtron plan` priced neither (tests/test_rehearse_models.py
+    checks the totals against a rehearsal)."""
+    params = {}
+    for max_pos in (4096, 131072):
+        path = _write(tmp_path / str(max_pos), "gemma3_text", max_position_embeddings=max_pos)
+        rc, out, err = plan_cli("--model", path, "--cluster", "dgx-h100:1", "--seq-len", "128",
+                                "--global-batch", "16", "--layout", "tp=1,pp=1,dp=8",
+                                "--zero", "3", "--micro-batch", "2", "--recompute", "none",
+                                "--json")
+        assert rc == 0, err
+        params[max_pos] = json.loads(out)["plans"][0]["memory_gib"]["params"]
+    table_row = 2 * 4 * 32  # cos and sin, fp32, head_dim 32
+    assert (params[131072] - params[4096]) * 2**30 == pytest.approx(
+        (131072 - 4096) * table_row)
+
+
 def test_sliding_window_is_not_planned_with_context_parallelism(plan_cli, tmp_path):
     path = _write(tmp_path, "starcoder2", sliding_window=16)
     args = ("--model", path, "--cluster", "dgx-h100:1", "--seq-len", "128", "--global-batch",
