@@ -282,6 +282,11 @@ class Transformer(nn.Module):
     """Set (to the tokenizer's end-of-text id) for packed documents: attention stays inside
     each document and RoPE positions restart at 0 after every end-of-text token."""
 
+    sequence_shards: int = 1
+    """Set by `meshtron.parallel.tensor.apply_tensor_parallel` under sequence parallelism: a
+    pipeline stage without the embedding receives hidden states of 1/sequence_shards of the
+    sequence, which attention gathers whole."""
+
     context_parallel = None
     """Set by `meshtron.parallel.context.apply_context_parallel`: `tokens` are then this rank's
     chunks of each sequence and attention runs over the whole sequence."""
@@ -300,13 +305,15 @@ class Transformer(nn.Module):
                             "tokens with packed documents or context parallelism need a "
                             "sliding window meshtron's runtime does not build there; use "
                             f"at most {window}")
-        rope = self.rope_for(tokens.shape[1])
+        # the sequence's length: token ids, or a later stage's hidden states (sequence shards)
+        seq = tokens.shape[1] * (1 if tokens.dim() == 2 else self.sequence_shards)
+        rope = self.rope_for(seq)
         if rope is not None:
             # the run's rows only: FSDP2's mixed precision casts a block's floating inputs to
             # bf16 (cast_forward_inputs), and `x * cos` saves that copy for backward, so each
             # block kept a bf16 copy of the whole [2, max_seq, rope_dim] table (64 MiB a block
             # at max_seq 131072, head 128: rehearsed); a slice is a view, no copy
-            rope = rope[:, :tokens.shape[1]]
+            rope = rope[:, :seq]
         if self.context_parallel is not None:
             rope = self.context_parallel.context(tokens, self)
         elif self.document_eos is not None:
