@@ -266,7 +266,7 @@ def test_gemma3_sliding_blocks_share_one_local_table_of_the_sequence():
     from meshtron.model.rope import rope_cache
     from meshtron.model.transformer import Transformer
 
-    spec = from_hf_dict(dict(TINY["gemma3_text"], num_hidden_layers=4, max_position_embeddings=4096,
+    spec = from_hf_dict(dict(TINY["gemma3_text"], num_hidden_layers=4, max_position_embeddings=256,
                              layer_types=["sliding_attention"] * 3 + ["full_attention"]))
     model = Transformer(spec, init_seed=0)
     for seq in (16, 40):
