@@ -125,8 +125,10 @@ class StageMemories:
         w.cache_b = memory.te_weight_cache_bytes(self.opts, mem_opts)
         w.not_gemm = 2 * model.norm_params + (model.hidden * model.moe_experts
                                               if model.is_moe else 0)
-        # the RoPE tables every stage keeps, counted with its parameters
-        w.buffers = memory.rope_table_bytes(model, self.seq, mem_opts.framework)
+        # the RoPE tables every stage of meshtron's runtime keeps (its preset's zero_stages
+        # 'all', or no stack named), counted with its parameters
+        w.buffers = memory.rope_table_bytes(model, self.seq, mem_opts.framework == "fsdp2"
+                                            and mem_opts.zero_stages in (None, "all"))
         w.per_layer, w.fixed = self._stage_memories(w, inflight)
         self._gpipe_bound(w)  # GPipe's last stage: every micro-batch's loss tensors
 

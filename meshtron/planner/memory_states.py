@@ -115,13 +115,14 @@ def largest_param_local(model: ModelSpec, tp: int) -> float:
 
 
 
-def rope_table_bytes(model: ModelSpec, seq: int, framework: str = "fsdp2") -> float:
+def rope_table_bytes(model: ModelSpec, seq: int, meshtron: bool = True) -> float:
     """Bytes of the RoPE tables meshtron's runtime keeps on every GPU (model/transformer.py),
     fp32 cos and sin: the model's [2, max_seq, rope_dim] buffer, and for a model whose sliding
     blocks rotate with their own base (Gemma 3) one more [2, seq, head_dim] table that all of
     them share (sized to the run's sequence, as torchtitan's freqs_cis). Learned positions are
-    parameters, counted with them. 0 for the other frameworks (their tables: not modelled)."""
-    if model.position != "rope" or framework != "fsdp2":
+    parameters, counted with them. `meshtron`: False for another stack (0: its tables are not
+    modelled; transformers' rotary embedding computes cos and sin per forward)."""
+    if model.position != "rope" or not meshtron:
         return 0.0
     table = 2 * 4 * model.max_seq * model.rope_dim
     if local_rope(model):
