@@ -60,7 +60,8 @@ FOREIGN_FLAGS = {
     **dict.fromkeys(("--decoder-first", "--fp8-param-gather", "--recompute-method",
                      "--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap",
                      "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
-                     "--use-distributed-optimizer", "--use-custom-fsdp",
+                     "--use-distributed-optimizer", "--use-custom-fsdp", "--use-megatron-fsdp",
+                     "--data-parallel-sharding-strategy",
                      "--pipeline-model-parallel-layout"), "Megatron-LM"),
 }
 

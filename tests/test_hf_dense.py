@@ -258,6 +258,46 @@ def test_plan_prices_what_train_refuses(plan_cli, tmp_path):
     assert rc == 0, err
 
 
+def test_gemma3_sliding_blocks_share_one_local_table_of_the_sequence():
+    """Audit 47 item 3: each sliding block built its own fp32 local RoPE table of
+    max_position_embeddings rows (52 x 128 MiB at Gemma-3-27B); now one table for the model,
+    of the sequence's rows, rebuilt longer when a longer sequence comes (a resumed run with a
+    longer --seq-len), its values those of the rows the old table had."""
+    from meshtron.model.rope import rope_cache
+    from meshtron.model.transformer import Transformer
+
+    spec = from_hf_dict(dict(TINY["gemma3_text"], num_hidden_layers=4, max_position_embeddings=256,
+                             layer_types=["sliding_attention"] * 3 + ["full_attention"]))
+    model = Transformer(spec, init_seed=0)
+    for seq in (16, 40):
+        with torch.no_grad():
+            model(torch.zeros(1, seq, dtype=torch.long))
+        tables = {id(t) for b in model.layers.values() for t in b.attention._local_tables.values()}
+        table = next(iter(model.layers["0"].attention._local_tables.values()))
+        assert len(tables) == 1 and table.shape[1] == seq
+    local = model.layers["0"].attention.local_spec
+    assert torch.equal(table, rope_cache(local)[:, :40])
+
+
+def test_plan_counts_the_rope_tables_the_runtime_keeps(plan_cli, tmp_path):
+    """Audit 47 item 3: the runtime keeps the model's fp32 RoPE table of max_position_embeddings
+    rows and one local table of the run's sequence shared by Gemma 3's sliding blocks
+    (model/transformer.py); `meshtron plan` priced neither (tests/test_rehearse_models.py
+    checks the totals against a rehearsal)."""
+    params = {}
+    for max_pos in (4096, 131072):
+        path = _write(tmp_path / str(max_pos), "gemma3_text", max_position_embeddings=max_pos)
+        rc, out, err = plan_cli("--model", path, "--cluster", "dgx-h100:1", "--seq-len", "128",
+                                "--global-batch", "16", "--layout", "tp=1,pp=1,dp=8",
+                                "--zero", "3", "--micro-batch", "2", "--recompute", "none",
+                                "--json")
+        assert rc == 0, err
+        params[max_pos] = json.loads(out)["plans"][0]["memory_gib"]["params"]
+    table_row = 2 * 4 * 32  # cos and sin, fp32, head_dim 32
+    assert (params[131072] - params[4096]) * 2**30 == pytest.approx(
+        (131072 - 4096) * table_row)
+
+
 def test_sliding_window_is_not_planned_with_context_parallelism(plan_cli, tmp_path):
     path = _write(tmp_path, "starcoder2", sliding_window=16)
     args = ("--model", path, "--cluster", "dgx-h100:1", "--seq-len", "128", "--global-batch",

@@ -78,7 +78,8 @@ def _moment(ev: Evaluator, rank: int, in_flight: float, with_grads: bool, output
         w.mem_opts, w.zero, w.shard_dp, w.states, w.n[rank], w.p_layer, w.roots[rank],
         w.largest, w.act, in_flight, w.work, w.logits if rank == w.head_rank else 0.0,
         ev.capacity, rank, ev.grad_bytes, w.keep, accum, w.p_exp, w.e_states,
-        w.root_units[rank], w.reduce_bytes, 0.0, outputs, 0.0, accum, moment).allocated
+        w.root_units[rank], w.reduce_bytes, 0.0, outputs, 0.0, accum, moment,
+        buffers=w.buffers).allocated
 
 
 @pytest.mark.parametrize("seq,peak", [(2048, "first backward"), (64, "second backward")])

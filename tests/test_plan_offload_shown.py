@@ -56,6 +56,41 @@ def test_mfu_convention_noted_at_long_context_only(plan_cli):
     assert "MFU column" not in out  # 13% at 8k: not said
 
 
+def test_hfu_counts_the_causal_square_the_kernel_runs(plan_cli):
+    """Audit 47 item 5: an attention-bound plan (the debug model at 4096 tokens) printed
+    MFU 117.2% and HFU 117.2%; HFU now counts the half square causal flash executes."""
+    rc, out, err = plan_cli("--model", "debug", "--cluster", "nominal-cpu:2", "--global-batch",
+                            "4", "--seq-len", "4096", "--wide")
+    assert rc == 0, err
+    text = " ".join(out.split())
+    rows = [line for line in out.splitlines() if line[:1].isdigit() and "%" in line]
+    assert rows, out
+    for row in rows:
+        mfu, hfu = (float(cell.split()[-1]) for cell in row.split("%")[:2])
+        assert mfu > 100 and hfu < 100, row  # MFU: the full square, by its convention
+    causal = float(text.split("the best plan's MFU is ")[1].split("%")[0])
+    best_hfu = float(rows[0].split("%")[1].split()[-1])
+    assert best_hfu == pytest.approx(causal, abs=0.2)  # no recomputation: the causal count
+    assert "the HFU column (--wide) counts the FLOPs the kernels execute" in text, text
+
+
+def test_megatron_zero_2_3_named_as_megatron_fsdp_and_flags_refused_as_typed(plan_cli):
+    """Audit 47 item 9: a Megatron-Core plan at zero 3 did not say it means Megatron-FSDP, and
+    `--stack megatron` was refused under the field name `flag:`."""
+    args = ["--model", "llama3-8b", "--cluster", "dgx-h100:2", "--global-batch", "64",
+            "--seq-len", "4096", "--framework", "megatron", "--top", "1"]
+    rc, out, err = plan_cli(*args, "--zero", "3")
+    assert rc == 0, err
+    assert "zero 2 and 3 mean Megatron-FSDP (--use-custom-fsdp" in " ".join(out.split()), out
+    rc, out, err = plan_cli(*args, "--zero", "1")  # the distributed optimizer: no note
+    assert rc == 0, err
+    assert "Megatron-FSDP" not in out
+    rc, out, err = plan_cli(*args, "--stack", "megatron")
+    assert rc == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].endswith(
+        "--stack=megatron: allowed values are eager, fused, compiled"), err
+
+
 BIG = ["--model", "llama3-405b", "--cluster", "dgx-h100:2048", "--global-batch", "2048",
        "--seq-len", "8192", "--framework", "megatron@2024", "--top", "1"]
 

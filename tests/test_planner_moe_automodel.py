@@ -31,7 +31,9 @@ def test_bf16_model_halves_every_state_category():
     parameter's dtype: 2 + 2 + 4 bytes per parameter where FSDP2 over fp32 masters holds
     4 + 4 + 8. Sharded over the same ranks, each category halves, nothing else moves."""
     fp32, bf16 = _mem(8), _mem(8, param_dtype="bf16")
-    for name in ("params", "grads", "optimizer"):
+    tables = memory.rope_table_bytes(MIXTRAL, 4096) / GIB  # fp32 RoPE buffer: with params
+    assert bf16.params - tables == pytest.approx((fp32.params - tables) / 2, rel=1e-12)
+    for name in ("grads", "optimizer"):
         assert getattr(bf16, name) == pytest.approx(getattr(fp32, name) / 2, rel=1e-12)
     assert bf16.activations == fp32.activations and bf16.logits == fp32.logits
     assert bf16.gathered == pytest.approx(fp32.gathered, rel=1e-12)

@@ -139,7 +139,7 @@ def test_meshtron_plan_prices_the_padded_rows_from_an_options_file(plan_cli, tmp
     dropped = _plan(plan_cli, tmp_path, "dropped", "expert_capacity = 2.0")
     # f = 2 above the 1.25 imbalance drops nothing: the dropless answer
     assert dropped["step_time_s"] == dropless["step_time_s"]
-    assert dropped["hfu"] == dropped["mfu"] == dropless["mfu"]
+    assert dropped["hfu"] == dropless["hfu"] and dropped["mfu"] == dropless["mfu"]
     # padded to twice the mean rows: slower, more expert traffic and activations, and the
     # hardware FLOPs above the model FLOPs
     assert padded["step_time_s"] > dropless["step_time_s"]

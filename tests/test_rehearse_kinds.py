@@ -106,7 +106,9 @@ def _check(results: dict) -> None:
                   for n, rows in results.items()}, "rehearsal")
     for name, rows in results.items():
         if "offload" in name:  # states on the host: none on the device, on either side
-            assert rows["params"][1] == rows["grads"][1] == rows["optimizer"][1] == 0.0, name
+            assert rows["grads"][1] == rows["optimizer"][1] == 0.0, name
+            # the RoPE buffer stays on the device (FSDP2 offloads parameters, not buffers)
+            assert rows["params"][1] == pytest.approx(rows["params"][0], abs=2e-4), name
             assert rows["grads"][0] == rows["optimizer"][0] == 0.0, name
             assert rows["params"][0] < 0.01, name  # the buffers FSDP2 moves to the device
         if "compile" in name:

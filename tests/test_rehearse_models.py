@@ -19,6 +19,13 @@ phi3 (tp 2 + sp, pp 2) -6.1% -> -0.7%, mistral window -4.8% -> -0.7%; Llama, Gra
 Qwen2-MoE and Granite MoE unchanged (within 3.1%). The rehearsal of a model with tied
 embeddings (starcoder2, gemma3_text) stopped in torch's tracker before (rehearse/memory.py).
 
+Gemma 3 at max_seq 131072 (session 47, branch fixb; audit 47 item 3): zero-3 -46.7% -> -0.0%,
+full recompute -65.5% -> -1.5%, tp 2 + sp -66.2% -> +1.0% (before: an fp32 local RoPE table of
+max_seq rows per sliding block, FSDP2's bf16 cast of the whole model table per block kept by
+`x * cos`, and no table priced; after: one local table of the run's sequence shared by the
+sliding blocks, the model's table sliced to the sequence before the blocks, both priced with
+the parameters). The same case at max_seq 4096 was -1.8%, -4.8%, -1.6%.
+
 tp=2 + sp without a pipeline (session 42, branch memfix): at this vocabulary the loss's
 moment holds the peak with whole (vocabulary-parallel) logits too small to hide the final
 norm's saved tensors and the head's gathered input, which the planner now prices
@@ -48,10 +55,13 @@ MODELS = {  # each as model/hf_dense.py / hf_moe_types.py reads its config.json 
     "starcoder2": (DENSE, dict(mlp="gelu", norm="layernorm", bias=True, sliding_window=512,
                                tied_embeddings=True)),
     "phi3": (DENSE, dict(rope_fraction=0.75, sliding_window=1024)),
+    # at Gemma 3's own max_position_embeddings: the runtime's fp32 RoPE tables (the model's,
+    # and the local one of the sliding blocks) are 0.25 GiB each here (audit 47 item 3)
     "gemma3_text": (DENSE, dict(mlp="geglu", norm_plus_one=True, norm_layout="sandwich",
                                 embed_scale=32.0, attn_scale=256 ** -0.5, qk_norm=True,
                                 sliding_window=512, window_every=2, rope_theta=1e6,
-                                rope_local_theta=1e4, tied_embeddings=True, head_size=256)),
+                                rope_local_theta=1e4, tied_embeddings=True, head_size=256,
+                                max_seq=131072)),
     "qwen3": (DENSE, dict(head_size=256, qk_norm=True)),
     "nemotron": (DENSE, dict(mlp="relu2", norm="layernorm", norm_plus_one=True,
                              rope_fraction=0.5)),

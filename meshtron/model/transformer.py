@@ -24,7 +24,7 @@ from meshtron.model.attention import DocumentMask, attention, document_mask, win
 from meshtron.model.embedding import Embedding
 from meshtron.model.loss import OutputHead, cross_entropy_loss
 from meshtron.model.mla import MLAttention
-from meshtron.model.rope import apply_rope, rope_cache
+from meshtron.model.rope import apply_rope, rope_cache, rope_table
 from meshtron.model.shapes import runtime_refusal
 from meshtron.model.spec import ModelSpec
 
@@ -68,17 +68,20 @@ class Attention(nn.Module):
     device (FlexAttention on CUDA, query chunks elsewhere); tests set "flex" to run the CUDA
     branch inside a compiled block on CPU."""
 
-    def __init__(self, spec: ModelSpec, index: int = 0):
+    def __init__(self, spec: ModelSpec, index: int = 0,
+                 local_tables: dict[str, torch.Tensor] | None = None):
         super().__init__()
         # block `index` attends within a sliding window (ModelSpec.slides), else causally
         self.window = spec.sliding_window if spec.slides(index) else 0
         # Gemma 3's sliding blocks rotate with their own base (rope_local_base_freq) and no
         # scaling; the table is built on first use per device (derived, so not a buffer that
-        # meta-device materialisation would have to rebuild)
+        # meta-device materialisation would have to rebuild). `local_tables`: one dict the
+        # model's sliding blocks share (Transformer), so the model keeps one table per device,
+        # as torchtitan keeps one freqs_cis, not one per block (52 x 128 MiB at Gemma-3-27B).
         self.local_spec = (spec.replace(rope_theta=spec.rope_local_theta, rope_type="default")
                            if self.window and spec.rope_local_theta is not None
                            and spec.rope_local_theta != spec.rope_theta else None)
-        self._local_tables: dict[str, torch.Tensor] = {}
+        self._local_tables = {} if local_tables is None else local_tables
         self.head_dim = spec.head_dim
         self.use_rope = spec.position == "rope"
         qkv_bias = spec.bias or spec.qkv_bias
@@ -109,7 +112,7 @@ class Attention(nn.Module):
             rope, attend = rope.angles, rope.attend
         bsz, seq, _ = x.shape
         if self.local_spec is not None and isinstance(rope, torch.Tensor):
-            rope = self._local_table(rope.device)  # documents, cp: refused (hf_variants)
+            rope = self._local_table(rope.device, seq)  # documents, cp: refused (hf_variants)
         # -1 heads: under tensor parallelism each rank holds heads/tp of them.
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.q_norm is not None and self.qk_whole:  # OLMo 2: over the whole projection
@@ -133,10 +136,14 @@ class Attention(nn.Module):
                else attention(q, k, v, mask))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
-    def _local_table(self, device: torch.device) -> torch.Tensor:
+    def _local_table(self, device: torch.device, seq: int) -> torch.Tensor:
+        """The shared local table with at least `seq` rows: the run's sequence length, not
+        max_position_embeddings (torchtitan sizes freqs_cis to max_seq_len), rebuilt larger
+        when a longer sequence comes (a host-side shape check: no sync)."""
         table = self._local_tables.get(str(device))
-        if table is None:
-            table = self._local_tables[str(device)] = rope_cache(self.local_spec, device)
+        if table is None or table.shape[1] < seq:
+            table = self._local_tables[str(device)] = rope_table(self.local_spec, seq,
+                                                                  device=device)
         return table
 
     def _rope(self, x: torch.Tensor, rope) -> torch.Tensor:
@@ -167,7 +174,8 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec, index: int = 0):
+    def __init__(self, spec: ModelSpec, index: int = 0,
+                 local_tables: dict[str, torch.Tensor] | None = None):
         super().__init__()
         self.parallel_residual = spec.parallel_residual
         self.residual_scale = spec.residual_scale if spec.residual_scale != 1 else None
@@ -177,7 +185,8 @@ class Block(nn.Module):
         self.attention_norm = _norm(spec) if pre else None
         # DeepSeek's multi-head latent attention (meshtron/model/mla.py), or (grouped-query)
         # multi-head attention.
-        self.attention = MLAttention(spec) if spec.is_mla else Attention(spec, index)
+        self.attention = (MLAttention(spec) if spec.is_mla
+                          else Attention(spec, index, local_tables))
         self.attention_post_norm = _norm(spec) if post else None
         self.ffn_norm = _norm(spec) if pre else None
         if spec.is_moe_layer(index):  # mixture of experts (meshtron/model/moe.py)
@@ -236,7 +245,9 @@ class Transformer(nn.Module):
             self.tok_embeddings: nn.Embedding | None = Embedding(spec.vocab, spec.hidden)
             self.pos_embeddings: nn.Embedding | None = (
                 Embedding(spec.max_seq, spec.hidden) if spec.position == "learned" else None)
-            self.layers = nn.ModuleDict({str(i): Block(spec, i) for i in range(spec.layers)})
+            local_tables: dict[str, torch.Tensor] = {}  # Gemma 3's local RoPE, shared
+            self.layers = nn.ModuleDict({str(i): Block(spec, i, local_tables)
+                                         for i in range(spec.layers)})
             self.norm: nn.Module | None = _norm(spec)
             self.output: nn.Linear | None = OutputHead(spec.hidden, spec.vocab, bias=False)
             if spec.tied_embeddings:
@@ -271,6 +282,11 @@ class Transformer(nn.Module):
     """Set (to the tokenizer's end-of-text id) for packed documents: attention stays inside
     each document and RoPE positions restart at 0 after every end-of-text token."""
 
+    sequence_shards: int = 1
+    """Set by `meshtron.parallel.tensor.apply_tensor_parallel` under sequence parallelism: a
+    pipeline stage without the embedding receives hidden states of 1/sequence_shards of the
+    sequence, which attention gathers whole."""
+
     context_parallel = None
     """Set by `meshtron.parallel.context.apply_context_parallel`: `tokens` are then this rank's
     chunks of each sequence and attention runs over the whole sequence."""
@@ -289,7 +305,15 @@ class Transformer(nn.Module):
                             "tokens with packed documents or context parallelism need a "
                             "sliding window meshtron's runtime does not build there; use "
                             f"at most {window}")
-        rope = self.rope_for(tokens.shape[1])
+        # the sequence's length: token ids, or a later stage's hidden states (sequence shards)
+        seq = tokens.shape[1] * (1 if tokens.dim() == 2 else self.sequence_shards)
+        rope = self.rope_for(seq)
+        if rope is not None:
+            # the run's rows only: FSDP2's mixed precision casts a block's floating inputs to
+            # bf16 (cast_forward_inputs), and `x * cos` saves that copy for backward, so each
+            # block kept a bf16 copy of the whole [2, max_seq, rope_dim] table (64 MiB a block
+            # at max_seq 131072, head 128: rehearsed); a slice is a view, no copy
+            rope = rope[:, :seq]
         if self.context_parallel is not None:
             rope = self.context_parallel.context(tokens, self)
         elif self.document_eos is not None:

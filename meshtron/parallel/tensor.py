@@ -48,6 +48,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool = False) -> nn.Mod
 
     if tp_mesh.size() == 1:
         return model
+    if sp:  # a later pipeline stage receives 1/tp of the sequence (Transformer.forward)
+        model.sequence_shards = tp_mesh.size()
     seq = Shard(1) if sp else Replicate()
     top: dict[str, Any] = {}
     tied = (getattr(model, "tok_embeddings", None) is not None

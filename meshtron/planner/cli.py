@@ -156,7 +156,7 @@ def plan_framework(args: argparse.Namespace, plan: Any, model=None):
     naming another stack prices that stack's preset instead, without the plan's options, and
     `note` says so in one line (the caller names the file)."""
     from meshtron.planner.frameworks import (for_model, for_plan, load_options, preset,
-                                             same_preset, with_options)
+                                             same_preset, with_flags, with_options)
 
     saved = for_plan(plan)
     file_fw, table = (load_options(args.options) if getattr(args, "options", None)
@@ -172,9 +172,7 @@ def plan_framework(args: argparse.Namespace, plan: Any, model=None):
         framework_of(args)  # a --framework contradicting the --options file: its one line
     fw = with_options(saved, table) if table else saved
     flags = {k: getattr(args, k, None) for k in ("stack", "attention", "dropout")}
-    flags = {k: v for k, v in flags.items() if v is not None}
-    if flags:
-        fw = with_options(fw, flags, where="flag")
+    fw = with_flags(fw, {k: v for k, v in flags.items() if v is not None})
     return (fw if model is None else for_model(fw, model)), None
 
 

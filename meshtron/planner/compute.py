@@ -33,8 +33,8 @@ from meshtron.planner.compute_core import core_time, core_widths, cp_exposed, cp
 from meshtron.planner.compute_edges import (  # noqa: F401  (re-exported for callers)
     chunked_loss_extra, chunked_loss_forward_s, chunked_loss_parts, embedding_cost, head_cost)
 from meshtron.planner.compute_flops import (  # noqa: F401  (re-exported for callers)
-    active_equivalent, fine_recompute_flops_per_token, model_flops_per_step,
-    recompute_flops_per_token)
+    active_equivalent, fine_recompute_flops_per_token, hardware_flops_per_step,
+    model_flops_per_step, recompute_flops_per_token)
 from meshtron.planner.compute_parts import (  # noqa: F401  (re-exported for callers)
     PART_KINDS, EdgeCost, LayerCost, compute_dtypes, recompute_share)
 from meshtron.planner.elementwise import (  # noqa: F401  (kernels_per_layer re-exported)

@@ -8,12 +8,20 @@ count it as 4x forward instead of 3x), selective recomputation repeats only the 
 QK^T / softmax / AV (Korthikanti et al. 2022, section 5), and recomputed up-projections
 (MemoryOptions.recompute_up_proj) their GEMMs again. FlashAttention's own recomputation
 inside its backward kernel is not counted as hardware FLOPs, as is customary.
+
+MFU and HFU count the attention square differently. MFU keeps the model-FLOPs convention:
+the full s x s square (Megatron-LM, PaLM appendix B), so it can exceed 100% where attention
+dominates (a long sequence on a small model). HFU counts what the hardware executes: a
+causal FlashAttention kernel skips the masked half of the square and the tiles outside a
+sliding window (compute_core.window_share, the fraction the time model prices), the unfused
+core computes the whole square (`executed_square_share`).
 """
 
 from __future__ import annotations
 
 from meshtron.model.mla_shapes import mla_projections
 from meshtron.model.spec import ModelSpec
+from meshtron.planner.compute_core import window_share
 from meshtron.planner.compute_parts import recompute_share
 
 
@@ -44,6 +52,21 @@ def model_flops_per_step(model: ModelSpec, tokens: float, seq: int) -> float:
     return model.flops_per_token(seq) * tokens
 
 
+def executed_square_share(model: ModelSpec, seq: int, attention: str) -> float:
+    """The share of ModelSpec.flops_per_token's full attention square the attention kernel
+    executes: a causal flash kernel half of it, less the tiles outside sliding windows
+    (compute_core.core_time prices the same 0.5 x window_share); the unfused core all of it."""
+    return 0.5 * window_share(model, seq) if attention == "flash" else 1.0
+
+
+def hardware_flops_per_step(model: ModelSpec, tokens: float, seq: int, attention: str) -> float:
+    """Model FLOPs of one step with the attention square counted as executed
+    (`executed_square_share`): HFU's numerator before recomputation is added."""
+    total = model.flops_per_token(seq)
+    square = total - model.flops_per_token(0)
+    return (total - (1.0 - executed_square_share(model, seq, attention)) * square) * tokens
+
+
 def recompute_flops_per_token(model: ModelSpec, seq: int, recompute: str, attention: str,
                               v_native: bool = False) -> float:
     """FLOPs executed again by recomputation, per token (see module docstring); `v_native`:
@@ -54,7 +77,7 @@ def recompute_flops_per_token(model: ModelSpec, seq: int, recompute: str, attent
     # where the kernel takes it, else at V zero-padded to the q/k width (model/mla.py)
     v = model.v_dim if v_native or not model.is_mla else model.head_dim
     width = model.heads * (model.head_dim + v)
-    core = 2.0 * model.layers * width * seq
+    core = 2.0 * model.layers * width * seq * executed_square_share(model, seq, attention)
     share = recompute_share(recompute)
     if share:
         # active parameters only: recomputation replays the experts a token ran through

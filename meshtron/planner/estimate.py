@@ -132,6 +132,9 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         tokens = global_batch * seq_len
         self.tokens = tokens
         self.model_flops = compute.model_flops_per_step(model, tokens, seq_len)
+        # HFU's: the attention square as the kernel executes it (compute_flops.py)
+        self.executed_flops = compute.hardware_flops_per_step(model, tokens, seq_len,
+                                                              self.opts.attention)
         self.n_gpus = cluster.num_gpus
         self.hbm = cluster.hbm_bytes_per_s * compute.HBM_EFFICIENCY
         # fp32 gradient accumulation buffer (Megatron's main_grad) or bf16 gradients
@@ -263,13 +266,14 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
                                w.grad_extra if worst == 0 else 0.0, w.outputs[worst],
                                self._te_cache(w, worst), w.extra_accum,
                                w.moments[worst] if w.moments else None,
-                               *self._loose(w, b_exp), fixed=self._ep_buffers(w.ep))
+                               *self._loose(w, b_exp), fixed=self._ep_buffers(w.ep),
+                               buffers=w.buffers)
         if cfg.offload != "none" or cfg.offload_activations:
             mem = self._with_host(mem, cfg, w.host_gpu)
             fits = fits and mem.host_fits
             if not fits and not keep_infeasible:
                 return None
-        hw_flops = self.model_flops + (self._recompute_flops(w.rec)
+        hw_flops = self.executed_flops + (self._recompute_flops(w.rec)
                                        + self._capacity_flops(w.cfg)) * self.tokens
         peak = self.cluster.peak_flops
         per_gpu = step * self.n_gpus

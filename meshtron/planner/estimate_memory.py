@@ -125,6 +125,10 @@ class StageMemories:
         w.cache_b = memory.te_weight_cache_bytes(self.opts, mem_opts)
         w.not_gemm = 2 * model.norm_params + (model.hidden * model.moe_experts
                                               if model.is_moe else 0)
+        # the RoPE tables every stage of meshtron's runtime keeps (its preset's zero_stages
+        # 'all', or no stack named), counted with its parameters
+        w.buffers = memory.rope_table_bytes(model, self.seq, mem_opts.framework == "fsdp2"
+                                            and mem_opts.zero_stages in (None, "all"))
         w.per_layer, w.fixed = self._stage_memories(w, inflight)
         self._gpipe_bound(w)  # GPipe's last stage: every micro-batch's loss tensors
 
@@ -184,6 +188,7 @@ class StageMemories:
                 root_units[i], reduce_bytes, w.grad_extra if i == 0 else 0.0, outputs[i],
                 cache_b * max(0.0, b[0] + b[1] - not_gemm), w.extra_accum, moments[i],
                 *self._loose(w, b[1]))
+            fixed[i] += w.buffers
         return per_layer, fixed
 
     def _split(self, w: Work, keep_infeasible: bool, exact_memory: bool) -> bool:

@@ -83,6 +83,7 @@ class Work:
     recv: list[float] = field(default_factory=list)  # torch's receive buffers' bytes per rank
     blocks: list[Block] = field(default_factory=list)  # per rank: its mean block
     cache_b: float = 0.0  # Transformer Engine's cached FP8 bytes per GEMM weight element
+    buffers: float = 0.0  # RoPE tables every stage keeps (memory_states.rope_table_bytes)
     not_gemm: float = 0.0  # parameters of a block outside its GEMMs (norms, router)
     per_layer: list[float] = field(default_factory=list)  # per rank: bytes per layer
     fixed: list[float] = field(default_factory=list)  # per rank: fixed bytes

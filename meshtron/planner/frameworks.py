@@ -370,9 +370,18 @@ def resolve(framework: str | None = None, options_file: str | Path | None = None
     fw = preset(framework)
     if table:
         fw = with_options(fw, table)
-    given = {k: v for k, v in flags.items() if v is not None}
-    if given:
-        fw = with_options(fw, given, where="flag")
+    return with_flags(fw, {k: v for k, v in flags.items() if v is not None})
+
+
+def with_flags(fw: Framework, flags: Mapping[str, Any]) -> Framework:
+    """`fw` with the command's option flags (--stack, --attention, --dropout): a refused
+    value is named by its flag as typed (`--stack=megatron: allowed values are ...`)."""
+    for key, value in flags.items():
+        try:
+            fw = with_options(fw, {key: value}, where="flag")
+        except UserError as exc:  # "flag: stack='megatron': allowed ...": the reason
+            reason = str(exc).split(": ", 2)[-1]
+            raise UserError(f"--{key.replace('_', '-')}={value}: {reason}") from None
     return fw
 
 

@@ -59,7 +59,7 @@ from meshtron.planner.memory_peak import (  # noqa: F401  (re-exported)
     previous_gradient_bytes)
 from meshtron.planner.memory_states import (  # noqa: F401  (re-exported)
     GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, embedding_params_local, head_params_local,
-    largest_param_local, layer_params_local, state_bytes)
+    largest_param_local, layer_params_local, rope_table_bytes, state_bytes)
 
 
 def workspace_bytes(tensors: float, capacity: float, mem: MemoryOptions = DEFAULT) -> float:
@@ -292,13 +292,14 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
               grad_extra: float = 0.0, outputs: float = 0.0,
               weight_cache: float = 0.0, extra_accum: float | None = None,
               moment: str | None = None, p_loose: float = 0.0,
-              fixed: float = 0.0) -> MemoryBreakdown:
+              fixed: float = 0.0, buffers: float = 0.0) -> MemoryBreakdown:
     """The component breakdown of a stage holding `layers` blocks (GiB); `p_expert`,
     `expert_states`, `reduce_bytes`, `grad_extra`, `outputs`, `weight_cache`, `extra_accum`,
     `moment`, `p_loose`: as stage_memory
     (the kept chunk outputs are counted with the in-flight activations, the cached quantised
     weights with the parameters); `fixed`: bytes allocated outside PyTorch's allocator
-    (DeepEP's buffers), counted with the workspace."""
+    (DeepEP's buffers), counted with the workspace; `buffers`: bytes of tensors derived from
+    the spec the stage keeps (RoPE tables, rope_table_bytes), counted with the parameters."""
     wb, gb, ob = states
     ewb, egb, eob = expert_states if expert_states is not None else states
     experts = layers * (p_expert + p_loose)
@@ -328,7 +329,7 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
     gathered += made - made_grads
     acts = min(layers * act, all_acts)
     extra = all_acts - acts + outputs
-    cache = layers * weight_cache
+    cache = layers * weight_cache + buffers
     tensors = (params * (wb + gb + ob) + experts * (ewb + egb + eob) + gathered + made_grads
                + all_acts + outputs + work + logits + cache)
     return MemoryBreakdown(

@@ -22,6 +22,7 @@ each data-parallel rank the AdamW state of the parameters it owns.
 
 from __future__ import annotations
 
+from meshtron.model.hf_variants import local_rope
 from meshtron.model.mla_shapes import mla_replicated_params
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.memory_options import DEFAULT, MemoryOptions
@@ -112,3 +113,18 @@ def largest_param_local(model: ModelSpec, tp: int) -> float:
     """Elements of the largest single weight matrix of a layer on one tensor rank."""
     return max(model.hidden * model.ffn_hidden, model.hidden * model.hidden) / tp
 
+
+
+def rope_table_bytes(model: ModelSpec, seq: int, meshtron: bool = True) -> float:
+    """Bytes of the RoPE tables meshtron's runtime keeps on every GPU (model/transformer.py),
+    fp32 cos and sin: the model's [2, max_seq, rope_dim] buffer, and for a model whose sliding
+    blocks rotate with their own base (Gemma 3) one more [2, seq, head_dim] table that all of
+    them share (sized to the run's sequence, as torchtitan's freqs_cis). Learned positions are
+    parameters, counted with them. `meshtron`: False for another stack (0: its tables are not
+    modelled; transformers' rotary embedding computes cos and sin per forward)."""
+    if model.position != "rope" or not meshtron:
+        return 0.0
+    table = 2 * 4 * model.max_seq * model.rope_dim
+    if local_rope(model):
+        table += 2 * 4 * seq * model.head_dim
+    return float(table)

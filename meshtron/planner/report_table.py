@@ -99,7 +99,7 @@ def table_notes(result: SearchResult) -> list[str]:
            for e in result.plans):
         out.append("Memory column: 'host>' is a plan whose GPUs fit but whose host memory per "
                    "node (host offload) does not")
-    for note in (mfu_note(result), tight_note(result)):
+    for note in (mfu_note(result), tight_note(result), megatron_zero_note(result)):
         if note:
             out.append(note)
     steps = [round(e.step_time_s, 9) for e in result.plans]
@@ -144,7 +144,8 @@ def mfu_note(result: SearchResult) -> str | None:
     """Where the attention square is a large share of the model FLOPs (long sequences), one
     line saying the MFU column counts it whole, as Megatron-LM (Narayanan et al. 2021, eq. 3)
     and PaLM (Chowdhery et al. 2022, appendix B: 6N + 12 L H Q T) do, with the best plan's MFU
-    under a causal count (half the square, what causal attention kernels compute)."""
+    under a causal count (half the square, what causal attention kernels compute), and that
+    HFU counts what the kernels execute (compute_flops.executed_square_share)."""
     best, model, seq = result.best, result.model, result.seq_len
     if best is None:
         return None
@@ -156,7 +157,23 @@ def mfu_note(result: SearchResult) -> str | None:
     causal = best.mfu * (total - square / 2) / total
     return (f"MFU column: model FLOPs count attention as the full {seq} x {seq} square "
             f"(Megatron-LM's and PaLM's convention), {share:.0%} of them here; counting the "
-            f"causal half, the best plan's MFU is {causal * 100:.1f}%")
+            f"causal half, the best plan's MFU is {causal * 100:.1f}%; the HFU column (--wide) "
+            "counts the FLOPs the kernels execute (a causal flash kernel runs half the square, "
+            "plus recomputation)")
+
+
+def megatron_zero_note(result: SearchResult) -> str | None:
+    """Which Megatron-Core sharding a shown zero 2 or 3 is (plan_rules_zero.STACK_ZEROS): only
+    its own FSDP runs them; the distributed optimizer a user would reach for is zero 1, and
+    keeps the whole gradient buffer (megatron/core/distributed/param_and_grad_buffer.py)."""
+    if framework_of(result).memory.zero_stages != "megatron-core":
+        return None
+    if not any(e.config.zero >= 2 and e.config.dp > 1 for e in result.plans):
+        return None
+    return ("Zero column (Megatron-Core): zero 2 and 3 mean Megatron-FSDP (--use-custom-fsdp, "
+            "--use-megatron-fsdp from core 0.14, with --data-parallel-sharding-strategy "
+            "optim_grads for zero 2, optim_grads_params for zero 3), not "
+            "--use-distributed-optimizer, which is zero 1 (the whole gradient buffer kept)")
 
 
 def header(result: SearchResult) -> list[str]:
