@@ -150,9 +150,12 @@ def test_expert_states_divide_by_ep_and_shard_over_the_rest():
     assert z0.optimizer - z1.optimizer == pytest.approx(
         8 * (dense * (1 - 1 / 32) + experts / 8 * (1 - 1 / 4)) / gib, rel=1e-9)
     # ZeRO-1 is FSDP2 over dp (the experts over the dp/ep = 4 holding them): parameters
-    # sharded at rest too (rehearsed, issue 30); ZeRO-0 keeps them whole
-    assert z0.params == pytest.approx(4 * (dense + experts / 8) / gib, rel=1e-9)
-    assert z1.params == pytest.approx(4 * (dense / 32 + experts / 8 / 4) / gib, rel=1e-9)
+    # sharded at rest too (rehearsed, issue 30); ZeRO-0 keeps them whole. Both keep the fp32
+    # RoPE table, counted with the parameters (memory.rope_table_bytes)
+    tables = memory.rope_table_bytes(model, 4096)
+    assert z0.params == pytest.approx((4 * (dense + experts / 8) + tables) / gib, rel=1e-9)
+    assert z1.params == pytest.approx((4 * (dense / 32 + experts / 8 / 4) + tables) / gib,
+                                      rel=1e-9)
     # FSDP2 ZeRO-3: shards equal, but only E/ep experts are gathered at a time
     z3 = _ev()
     a, b = z3.evaluate(_plan(zero=3, ep=1)).memory, z3.evaluate(_plan(zero=3, ep=8)).memory
