@@ -50,7 +50,8 @@ def test_recompute_flops_equal_the_block_by_block_sum(name):
     core = 4.0 * model.layers * width * seq
     for recompute, share in (("full", 1.0), ("half", 0.5)):
         got = recompute_flops_per_token(model, seq, recompute, "flash")
-        assert got == share * (2.0 * _matmul_by_block(model) + core)
+        # a causal flash kernel runs half of the square (no sliding windows in these shapes)
+        assert got == share * (2.0 * _matmul_by_block(model) + 0.5 * core)
     assert recompute_flops_per_token(model, seq, "selective", "unfused") == core
     assert recompute_flops_per_token(model, seq, "selective", "flash") == 0.0
 

@@ -109,6 +109,9 @@ class MemoryBreakdown:
     host_capacity: float | None = None
     """Host memory of one node offload may use (cluster host_memory_gib x
     HOST_USABLE_FRACTION), GiB; None: unknown, not checked."""
+    derived: float = 0.0
+    """Of `params`: tensors derived from the spec (RoPE tables, rope_table_bytes) that no
+    checkpoint or snapshot holds, GiB."""
 
     @property
     def host_fits(self) -> bool:
@@ -340,4 +343,4 @@ def breakdown(mem: MemoryOptions, zero: int, dp: int, states: tuple[float, float
         in_flight=extra / GIB, recompute=work / GIB, logits=logits / GIB,
         workspace=(workspace_bytes(tensors, capacity, mem) + fixed) / GIB,
         capacity=capacity / GIB,
-        stage=stage, dtype=mem.dtype)
+        stage=stage, dtype=mem.dtype, derived=buffers / GIB)

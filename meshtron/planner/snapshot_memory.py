@@ -44,8 +44,10 @@ def snapshot_host_gib(memory: Any, plan: Any = None) -> float:
     optimizer shards (the optimizer's GiB holds compression's own residual and DiLoCo's outer
     copy and momentum: compression.with_state_bytes) and the group's mean residual
     (`mean_residual_gib`), plus an equal peer copy (the ring pairs ranks of the same position
-    on the next node, which hold the same shard sizes), twice (generations)."""
-    return SLOTS * 2 * (memory.params + memory.optimizer + mean_residual_gib(memory, plan))
+    on the next node, which hold the same shard sizes), twice (generations). The RoPE tables
+    counted with the parameters (`MemoryBreakdown.derived`) are rebuilt, not snapshotted."""
+    own = memory.params - memory.derived
+    return SLOTS * 2 * (own + memory.optimizer + mean_residual_gib(memory, plan))
 
 
 def mean_residual_gib(memory: Any, plan: Any) -> float:
@@ -57,9 +59,10 @@ def mean_residual_gib(memory: Any, plan: Any) -> float:
     state_bytes, framework fsdp2), the only one that compresses."""
     if plan is None or (plan.grad_compression == "none" and not plan.diloco):
         return 0.0
+    own = memory.params - memory.derived
     if plan.diloco or plan.zero <= 1:
-        return memory.params
-    return memory.params * plan.dp_shard
+        return own
+    return own * plan.dp_shard
 
 
 def snapshot_line(memory: Any, plan: Any = None) -> str:
