@@ -235,8 +235,19 @@ def test_rank_killed_after_a_dump_on_demand_is_dead(tmp_path):
     # process is gone)" (the agent logs one failure per attempt: checkpoint/restart.py)
     assert doc["verdict"].startswith(
         f"rank 1 (dp=1) died after its SIGUSR1 dump at step {dumped_at} ("), doc
+    killed = "(killed by SIGKILL)" in doc["verdict"]
     assert "raised" not in doc["verdict"] and "Connection" not in doc["verdict"], doc
     assert doc["evidence"][0].startswith("rank 0 (dp=0): exception: "), doc["evidence"]
+    # A SIGKILLed rank closes its sockets while it exits, before /proc shows it a zombie:
+    # rank 0's dump can read it as running (one CI run); torchrun's agent saw it killed
+    if killed:
+        seen = json.loads((run_dir / "trace" / "rank_0.json").read_text())
+        seen["peers"]["1"]["state"] = "running"
+        (run_dir / "trace" / "rank_0.json").write_text(json.dumps(seen))
+        code, doc = _doctor(run_dir)
+        assert code == 3 and doc["culprit_ranks"] == [1], doc
+        assert doc["verdict"].startswith(f"rank 1 (dp=1) died after its SIGUSR1 dump at step "
+                                         f"{dumped_at} (killed by SIGKILL)"), doc
     # The same files as rank 1 on another host leaves them: its hello and dump name that host,
     # and rank 0's dump could not see its process ('unknown', meshtron/doctor/dump.py).
     _as_if_on_another_host(run_dir / "trace", rank=1, seen_by=0)

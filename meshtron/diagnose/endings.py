@@ -140,10 +140,16 @@ def _outlived_dump(trace: Trace, rank: int) -> tuple[int, str] | None:
                     and r["seq"] > _last_seq(mine, r["group"]) for r in d.get("records", []))
         reason = d.get("reason", "")
         broke = reason.startswith("exception") and _is_consequence(reason)
-        if state in ("gone", "never_started") and (later or broke):
+        # a SIGKILLed process closes its sockets while it exits, before /proc shows it a
+        # zombie: the peer that lost the connection can still read it as running; torchrun's
+        # agent saw it end by a signal (`killed_by`)
+        dying = state == "running" and broke and (killed_by(trace, rank) or "").startswith(
+            "killed by")
+        if (state in ("gone", "never_started") or dying) and (later or broke):
             shows = ("shows it completing more collectives after that dump" if later
                      else "shows the connection to it breaking after that dump")
-            return other, shows + ", then finds its process gone"
+            return other, shows + (", its process still exiting" if dying
+                                   else ", then finds its process gone")
         if state in (None, "unknown") and later and broke:
             return other, ("shows it completing more collectives after that dump, then the "
                            "connection to it breaking (another host: its process is not seen)")
