@@ -270,12 +270,17 @@ class Transformer(nn.Module):
             self.rope = rope_cache(self.spec, self.rope.device)
 
     def rope_for(self, seq_len: int) -> torch.Tensor | None:
-        """The RoPE table for sequences of `seq_len` tokens: the buffer, or, with dynamic NTK
-        scaling past the pre-training length, a table computed for that length."""
+        """The RoPE table for sequences of `seq_len` tokens: the buffer's first `seq_len` rows,
+        or, with dynamic NTK scaling past the pre-training length, a table computed for that
+        length. Rows, not the whole buffer: FSDP2's mixed precision casts a block's floating
+        inputs to bf16 (cast_forward_inputs), and `x * cos` saves that copy for backward, so
+        each block kept a bf16 copy of the whole [2, max_seq, rope_dim] table (64 MiB a block
+        at max_seq 131072, head 128: rehearsed); a slice is a view, no copy."""
         spec = self.spec
-        if (self.rope is None or spec.rope_type != "dynamic"
-                or seq_len <= spec.rope_original_max_seq):
-            return self.rope
+        if self.rope is None:
+            return None
+        if spec.rope_type != "dynamic" or seq_len <= spec.rope_original_max_seq:
+            return self.rope[:, :seq_len]
         return rope_cache(spec, self.rope.device, seq_len)
 
     document_eos: int | None = None
@@ -308,12 +313,6 @@ class Transformer(nn.Module):
         # the sequence's length: token ids, or a later stage's hidden states (sequence shards)
         seq = tokens.shape[1] * (1 if tokens.dim() == 2 else self.sequence_shards)
         rope = self.rope_for(seq)
-        if rope is not None:
-            # the run's rows only: FSDP2's mixed precision casts a block's floating inputs to
-            # bf16 (cast_forward_inputs), and `x * cos` saves that copy for backward, so each
-            # block kept a bf16 copy of the whole [2, max_seq, rope_dim] table (64 MiB a block
-            # at max_seq 131072, head 128: rehearsed); a slice is a view, no copy
-            rope = rope[:, :seq]
         if self.context_parallel is not None:
             rope = self.context_parallel.context(tokens, self)
         elif self.document_eos is not None:
