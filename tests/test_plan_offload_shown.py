@@ -82,6 +82,9 @@ def test_megatron_zero_2_3_named_as_megatron_fsdp_and_flags_refused_as_typed(pla
     rc, out, err = plan_cli(*args, "--zero", "3")
     assert rc == 0, err
     assert "zero 2 and 3 mean Megatron-FSDP (--use-custom-fsdp" in " ".join(out.split()), out
+    rc, out, err = plan_cli(*args, "--zero", "3", "--json")  # and a reader of --json is told
+    assert rc == 0, err
+    assert any("mean Megatron-FSDP" in n for n in json.loads(out)["conventions"]), out
     rc, out, err = plan_cli(*args, "--zero", "1")  # the distributed optimizer: no note
     assert rc == 0, err
     assert "Megatron-FSDP" not in out

@@ -36,6 +36,9 @@ JSON schema "meshtron-plan-search/3" (`meshtron plan --json`)::
       "evaluated": int,           # full evaluations, the searches for fit_change included
       "feasible": int, "search_time_s": float,
       "notes": [str],                                             # knob families left out, why
+      "conventions": [str],       # how to read a number as the stack means it (the MFU
+                                  # column's full attention square; Megatron-Core's zero 2-3 =
+                                  # Megatron-FSDP): report_table.convention_notes
       "plans": [                  # best first, at most --top; every one fits unless "pinned"
         {"rank": int, "tp": int, "pp": int, "dp": int, "ep": int, "zero": int, "micro_batch": int,
          "num_microbatches": int, "recompute": str, "sp": bool,
@@ -70,6 +73,7 @@ JSON schema "meshtron-plan-search/3" (`meshtron plan --json`)::
                                   # that minimises it ("needs at least")
     }
 
+Version 3 also carries `conventions` (added 2026-12-06; readers of version 3 ignore it).
 Version 3 (was 2): a pinned layout that does not fit is answered (`plans` holds it with
 "fits": false; top-level "fits" is false), and `pinned`, `fit_change` and `warnings` are new.
 Version 2 (was 1): `schedule` is null without a pipeline, plans carry `dtype` and
@@ -85,7 +89,7 @@ from meshtron.planner.report_format import (  # noqa: F401  (re-exported for cal
     HEADLINE_OPTIONS, breakdown_line, fmt_count, fmt_days, fmt_s, fmt_tokens, framework_of,
     host_text, layers_per_gpu, memory_line, options_dict, options_line)
 from meshtron.planner.report_table import (  # noqa: F401  (re-exported for callers)
-    ATTENTION_SHARE_NOTED, header, mfu_note, render, table_notes, tight_note)
+    ATTENTION_SHARE_NOTED, convention_notes, header, mfu_note, render, table_notes, tight_note)
 from meshtron.planner.report_warnings import (  # noqa: F401  (re-exported for callers)
     memory_check, need_text, pinned_warning, render_no_fit, split_warning, trust_text,
     warnings)
@@ -119,6 +123,7 @@ def to_json(result: SearchResult, tokens: float) -> dict[str, Any]:
         "evaluated": result.evaluated, "feasible": result.feasible,
         "search_time_s": result.seconds,
         "notes": list(result.notes),
+        "conventions": convention_notes(result),
         "plans": plans,
         "alternatives": [a.to_dict() for a in result.alternatives],
         "near_miss": (result.near_miss.to_dict(tokens, n, price)

@@ -112,6 +112,12 @@ def table_notes(result: SearchResult) -> list[str]:
     return out
 
 
+def convention_notes(result: SearchResult) -> list[str]:
+    """The notes a reader of `--json` needs to read its numbers as the stack means them (the
+    table prints them among table_notes): what MFU counts, and what a Megatron-Core zero means."""
+    return [n for n in (mfu_note(result), megatron_zero_note(result)) if n]
+
+
 def tight_note(result: SearchResult) -> str | None:
     """The top plans whose headroom under the device is below the spread of the allocator
     allowance (memory_options.RESERVED_RATIO_HIGH: reserved/allocated up to 1.15 reported for
