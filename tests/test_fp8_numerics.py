@@ -150,3 +150,21 @@ def test_routed_experts_fp8_only_where_the_stack_converts_them():
     te = Evaluator(spec, cl, 64, 4096, compute.KernelOptions(fp8_filter="all"))
     assert ours._moe(1, "none", 1, "fp8", 8) == ours._moe(1, "none", 1, "bf16", 8)
     assert te._moe(1, "none", 1, "fp8", 8)[0] != te._moe(1, "none", 1, "bf16", 8)[0]
+
+
+def test_torchao_import_leaves_the_console_quiet():
+    """Audit 48a item 3: every rank of an fp8 run printed torch's pytree deprecation warning
+    (torchao registers its KernelPreference enum as a constant at import) between meshtron's
+    lines. The import is what every fp8 run does first (parallel/fp8.py); in a fresh process,
+    since torchao is imported once per process."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", "import logging; from meshtron.parallel.fp8 import "
+         "_torchao_float8; _torchao_float8(); print(logging.getLogger('torch.utils._pytree')"
+         ".level, logging.getLogger('torchao').level)"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Enum subclass" not in proc.stderr and "Failed to load" not in proc.stderr, proc.stderr
+    assert proc.stdout.split() == ["0", "0"]  # the loggers' levels restored (NOTSET)

@@ -35,18 +35,27 @@ from meshtron.planner.fp8 import FP8_RECIPES, fp8_linear
 MIN_CAPABILITY = (8, 9)
 """CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0, Blackwell 10.x)."""
 
+QUIET_AT_IMPORT = ("torchao", "torch.utils._pytree")
+"""Loggers quieted while torchao.float8 is imported: the CPU wheel logs one warning per CUDA
+kernel library it cannot load (expected on a CPU build), and torchao's registration of its
+KernelPreference enum as a pytree constant logs torch 2.13's deprecation warning on every rank,
+in the middle of the run's console; neither is the user's to act on."""
+
+
 def _torchao_float8():
-    """torchao.float8, imported with its logger quiet: the CPU wheel logs one warning per CUDA
-    kernel library it cannot load, which is expected on a CPU build."""
-    log = logging.getLogger("torchao")
-    level = log.level
-    log.setLevel(logging.ERROR)
+    """torchao.float8, imported with QUIET_AT_IMPORT's loggers at ERROR (restored after: only
+    this import is quieted, no process-wide setting)."""
+    logs = [logging.getLogger(name) for name in QUIET_AT_IMPORT]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
     try:
         import torchao.float8 as f8
     except ImportError as e:  # pragma: no cover - torchao is a pinned dependency
         raise UserError(f"plan.dtype='fp8': needs torchao ({e})") from None
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
     return f8
 
 
