@@ -86,6 +86,17 @@ def test_fp8_with_tensor_parallelism_refused_up_front(capsys, tmp_path):
     assert not run.exists()
 
 
+def test_pipeline_of_a_tied_model_refused_saying_what_runs(capsys, tmp_path):
+    """Audit 48a: pp=2 on a tied-embedding model was refused without saying what runs."""
+    run = tmp_path / "run"
+    proc = meshtron_main(capsys, "train", "--model", "tiny-gpt", "--steps", "1", "--nproc", "2",
+                         "--plan", "pp=2", "--run-dir", run)
+    line = one_line(proc)
+    assert proc.returncode == 2 and "ties its input and output embeddings" in line, line
+    assert line.endswith("use pp=1"), line
+    assert not run.exists()
+
+
 def test_global_batch_not_divisible_names_the_global_batch():
     proc = meshtron("plan", "--model", "llama3-8b", "--cluster", "dgx-h100:8", "--layout",
                     "dp=64", "--global-batch", "100", "--seq-len", "4096", timeout=120)

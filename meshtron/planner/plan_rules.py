@@ -86,7 +86,7 @@ def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True,
         return
     if runtime and pp is not None and pp > 1 and getattr(model, "tied_embeddings", False):
         yield (f"plan.pp={pp}: model {model.name} ties its input and output embeddings, which "
-               "the runtime cannot split across pipeline stages")
+               "the runtime cannot split across pipeline stages; use pp=1")
         return
     sl = k.get("stage_layers")
     if pp is not None and (not sl or len(sl) == pp * v):
