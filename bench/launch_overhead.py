@@ -8,6 +8,12 @@ both. Per tree, the median over the runs of: the launcher's own CPU seconds (use
 parent process alone, read at its exit), the modules it had imported and whether torch was one,
 the CPU seconds of the whole launch (the parent, torchrun's agent and the ranks: this process's
 children's rusage) and the wall time. The ratios are this tree's over DIR's.
+
+`--tests FILE...` (DIR then a whole checkout: `git archive main | tar -x -C DIR`) also runs
+those test files in each tree (`pytest -q -p no:cacheprovider --durations=20`, from the tree's
+root, so its conftest puts its own meshtron first), once per tree after the launches, and
+reports per tree the sum of the 15 slowest test durations (setup and call phases, as pytest
+lists them), the CPU seconds (user+sys of pytest and everything it started) and the wall time.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -56,6 +63,29 @@ def one_launch(tree: Path, work: Path) -> dict:
             "launcher_torch": bool(int(torch)), "total_cpu_s": total, "wall_s": wall}
 
 
+SLOWEST = 15
+"""How many of the slowest test durations are summed."""
+
+
+def test_files(tree: Path, files: list[str]) -> dict:
+    """pytest on `files` from `tree`'s root: the sum of its SLOWEST slowest durations, its CPU
+    and wall seconds."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--durations=20", *files], capture_output=True, text=True, cwd=tree,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=3600)
+    wall = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    durations = sorted((float(m.group(1)) for m in re.finditer(
+        r"^([0-9.]+)s (?:setup|call|teardown) ", proc.stdout, re.M)), reverse=True)
+    return {"slowest_sum_s": round(sum(durations[:SLOWEST]), 2),
+            "cpu_s": round((after.ru_utime - before.ru_utime)
+                           + (after.ru_stime - before.ru_stime), 2),
+            "wall_s": round(wall, 2), "exit_code": proc.returncode,
+            "result": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""}
+
+
 def median(runs: list[dict]) -> dict:
     return {k: (statistics.median(r[k] for r in runs) if not isinstance(runs[0][k], bool)
                 else runs[0][k]) for k in runs[0]}
@@ -65,6 +95,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--against", required=True, type=Path, help="a folder holding meshtron/")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tests", nargs="*", default=[], metavar="FILE",
+                    help="test files to run in both trees (DIR a whole checkout)")
     args = ap.parse_args()
     trees = {"this": HERE, "against": args.against.resolve()}
     runs: dict[str, list[dict]] = {name: [] for name in trees}
@@ -77,6 +109,11 @@ def main() -> None:
         k: round(result["this"][k] / result["against"][k], 3)
         for k in ("launcher_cpu_s", "launcher_modules", "total_cpu_s", "wall_s")}
     result["runs"] = runs
+    if args.tests:
+        tests = {name: test_files(tree, args.tests) for name, tree in trees.items()}
+        result["tests"] = {"files": args.tests, **tests, "ratio_this_over_against": {
+            k: round(tests["this"][k] / tests["against"][k], 3)
+            for k in ("slowest_sum_s", "cpu_s", "wall_s")}}
     print(json.dumps(result, indent=1))
 
 

@@ -466,8 +466,23 @@ def _report_failures(failures, stopped: Mapping[int, set[int]] | None = None) ->
     return final[0] if final else 1
 
 
+def exit_agent(code: int) -> None:
+    """End torchrun's agent process with `code` once `torchrun_main` returned: its output and
+    log handlers flushed, then `os._exit`, skipping the interpreter's teardown of the torch it
+    imported (freeing every module and torch.library's operator registrations): about 0.5 s of
+    CPU and 1-2 s of wall time on the 2-core CI machine (`python -c "import torch,
+    torch.distributed.run"`: 1.67 s user with a normal exit, 1.07 s with os._exit), paid by every
+    `meshtron train --nproc` after its ranks are done. Nothing is left to tear down by then:
+    torchrun's `run` has stopped and reaped the ranks and shut its rendezvous down before it
+    returns or raises (torch/distributed/launcher/api.py `launch_agent`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     try:
-        sys.exit(torchrun_main(sys.argv[1:]))
+        exit_agent(torchrun_main(sys.argv[1:]))
     except KeyboardInterrupt:  # Ctrl-C before torchrun's own handlers: no rank started yet
-        sys.exit(EXIT_INTERRUPTED)
+        exit_agent(EXIT_INTERRUPTED)
