@@ -8,6 +8,13 @@ both. Per tree, the median over the runs of: the launcher's own CPU seconds (use
 parent process alone, read at its exit), the modules it had imported and whether torch was one,
 the CPU seconds of the whole launch (the parent, torchrun's agent and the ranks: this process's
 children's rusage) and the wall time. The ratios are this tree's over DIR's.
+
+`--tests FILE...` (DIR then a whole checkout: `git archive main | tar -x -C DIR`) also runs
+each of those test files in both trees (`pytest -q -p no:cacheprovider --durations=20`, from
+the tree's root, so its conftest puts its own meshtron first), file by file, the tree that goes
+first alternating, so that a load that drifts falls on both; per tree: the sum of the 15
+slowest test durations over the files (setup and call phases, as pytest lists them), the CPU
+seconds (user+sys of pytest and everything it started) and the wall time.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -56,6 +64,46 @@ def one_launch(tree: Path, work: Path) -> dict:
             "launcher_torch": bool(int(torch)), "total_cpu_s": total, "wall_s": wall}
 
 
+SLOWEST = 15
+"""How many of the slowest test durations are summed."""
+
+
+def test_file(tree: Path, files: list[str]) -> dict:
+    """pytest on `files` from `tree`'s root: its durations, CPU and wall seconds."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--durations=20", *files], capture_output=True, text=True, cwd=tree,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=3600)
+    wall = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    durations = sorted((float(m.group(1)) for m in re.finditer(
+        r"^([0-9.]+)s (?:setup|call|teardown) ", proc.stdout, re.M)), reverse=True)
+    return {"durations": durations, "exit_code": proc.returncode,
+            "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+            "wall_s": wall,
+            "result": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""}
+
+
+def test_files(trees: dict[str, Path], files: list[str]) -> dict:
+    """Each file in every tree, the first tree alternating; per tree the sum of the SLOWEST
+    slowest durations over all files, the CPU and wall seconds, each file's result line."""
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    for i, name_file in enumerate(files):
+        order = list(trees) if i % 2 == 0 else list(reversed(trees))
+        for name in order:
+            runs[name].append(test_file(trees[name], [name_file]))
+    out = {}
+    for name, done in runs.items():
+        durations = sorted((d for r in done for d in r["durations"]), reverse=True)
+        out[name] = {"slowest_sum_s": round(sum(durations[:SLOWEST]), 2),
+                     "cpu_s": round(sum(r["cpu_s"] for r in done), 2),
+                     "wall_s": round(sum(r["wall_s"] for r in done), 2),
+                     "results": [r["result"] for r in done],
+                     "exit_codes": [r["exit_code"] for r in done]}
+    return out
+
+
 def median(runs: list[dict]) -> dict:
     return {k: (statistics.median(r[k] for r in runs) if not isinstance(runs[0][k], bool)
                 else runs[0][k]) for k in runs[0]}
@@ -64,19 +112,28 @@ def median(runs: list[dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--against", required=True, type=Path, help="a folder holding meshtron/")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=3, help="launches per tree (0: none)")
+    ap.add_argument("--tests", nargs="*", default=[], metavar="FILE",
+                    help="test files to run in both trees (DIR a whole checkout)")
     args = ap.parse_args()
     trees = {"this": HERE, "against": args.against.resolve()}
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     with tempfile.TemporaryDirectory() as work:
-        for _ in range(args.runs):
-            for name, tree in trees.items():
-                runs[name].append(one_launch(tree, Path(work)))
-    result = {name: median(r) for name, r in runs.items()}
-    result["ratio_this_over_against"] = {
-        k: round(result["this"][k] / result["against"][k], 3)
-        for k in ("launcher_cpu_s", "launcher_modules", "total_cpu_s", "wall_s")}
-    result["runs"] = runs
+        for i in range(args.runs):  # the tree that goes first alternates
+            for name in list(trees) if i % 2 == 0 else list(reversed(trees)):
+                runs[name].append(one_launch(trees[name], Path(work)))
+    result: dict = {}
+    if args.runs > 0:
+        result = {name: median(r) for name, r in runs.items()}
+        result["ratio_this_over_against"] = {
+            k: round(result["this"][k] / result["against"][k], 3)
+            for k in ("launcher_cpu_s", "launcher_modules", "total_cpu_s", "wall_s")}
+        result["runs"] = runs
+    if args.tests:
+        tests = test_files(trees, args.tests)
+        result["tests"] = {"files": args.tests, **tests, "ratio_this_over_against": {
+            k: round(tests["this"][k] / tests["against"][k], 3)
+            for k in ("slowest_sum_s", "cpu_s", "wall_s")}}
     print(json.dumps(result, indent=1))
 
 

@@ -16,16 +16,17 @@ from meshtron.cli import main
 from meshtron.config import config_from_dict
 from meshtron.train.loop import train
 from testkit import no_torch
+from testkit.rank_imports import refuse_in_ranks
 
 RUN = ["--model", "debug", "--steps", "3", "--seq-len", "32", "--global-batch", "8",
        "--eval-every", "0"]
 
 
-def _meshtron(*argv, timeout=240):
+def _meshtron(*argv, timeout=240, environ=None):
     """`meshtron ARGV`; `train` in a process that fails on any torch import (testkit/no_torch.py):
     on this GPU-less node (conftest hides the devices) the launcher plans, checks the data and
     starts the ranks without torch."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ if environ is None else environ, OMP_NUM_THREADS="1")
     command = no_torch.COMMAND if argv[0] == "train" else [sys.executable, "-m", "meshtron"]
     return subprocess.run([*command, *argv], capture_output=True, text=True, timeout=timeout,
                           env=env)
@@ -86,9 +87,16 @@ def single(tmp_path_factory):
     return run_dir
 
 
+RANKS_NEED_NOT = ("matplotlib", "torch.distributed.checkpoint")
+"""What a rank of a run without checkpoints never imports: the launcher draws curves.png after
+the ranks exit (train/outputs.py `prefetch_curves`), DCP comes with the first checkpoint
+(checkpoint/checkpointer.py)."""
+
+
 def test_two_ranks_through_the_cli_match_single_process(tmp_path, single):
     proc = _meshtron("train", *RUN, "--nproc", "2", "--plan", "dp=2", "--zero", "3",
-                     "--run-dir", str(tmp_path / "dp2"))
+                     "--run-dir", str(tmp_path / "dp2"),
+                     environ=refuse_in_ranks(tmp_path / "guard", RANKS_NEED_NOT, os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
     for key in ("loss", "grad_norm", "lr"):
         want = _losses(single / "metrics.jsonl", key)
@@ -105,7 +113,7 @@ def test_two_ranks_through_the_cli_match_single_process(tmp_path, single):
     assert "step 3/3" in proc.stderr and "step 0" not in proc.stderr
     assert records[-1]["tokens_per_s"] == summary["tokens_per_s"] > 0
     assert summary["measured_step_time_s"] == summary["step_time_s"]
-    assert (tmp_path / "dp2" / "curves.png").stat().st_size > 0
+    assert (tmp_path / "dp2" / "curves.png").stat().st_size > 0  # drawn by the launcher
     assert summary["predicted_step_time_s"] > 0 and summary["measured_step_time_s"] > 0
     memory = json.loads((tmp_path / "dp2" / "memory.json").read_text())
     ranks = memory["measured_bytes_per_rank"]

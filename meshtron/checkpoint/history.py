@@ -37,6 +37,11 @@ def truncate(path: Path, step: int) -> tuple[list[dict[str, Any]], int | None]:
     return [r for r in kept if _is_step(r)], (max(logged) if logged else None)
 
 
+def step_records(path: Path) -> list[dict[str, Any]]:
+    """The step records of metrics.jsonl in their order (event records left out)."""
+    return [r for r in _records(path) if _is_step(r)]
+
+
 def _is_step(record: dict[str, Any]) -> bool:
     return "event" not in record and isinstance(record.get("step"), int)
 

@@ -155,6 +155,7 @@ class DoctorSession:
             self._timeline.uninstall()
             self._timeline = None
         self._stop.set()
+        self._wake_watcher()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * POLL_S + 1.0)
         if self._installed and self.recorder is not None:
@@ -309,7 +310,17 @@ class DoctorSession:
             data = self._wakeup[0].recv(64)
         except (BlockingIOError, OSError):
             return []
-        return list(data)
+        return [signum for signum in data if signum]  # 0: `_wake_watcher`, no signal
+
+    def _wake_watcher(self) -> None:
+        """End the watcher's wait now, not at its next poll: `close` joins the thread, and every
+        rank's exit waited up to POLL_S for it (a zero byte on the wakeup socket, which no signal
+        writes; without one the watcher waits on `_stop`)."""
+        if self._wakeup is not None:
+            try:
+                self._wakeup[1].send(b"\0")
+            except OSError:  # full (signals pending: it wakes anyway) or closed
+                pass
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
@@ -375,8 +386,8 @@ class DoctorSession:
                     return
                 for signum in self._signals_received():
                     self._on_signal(signum)
-            else:
-                time.sleep(POLL_S)
+            elif self._stop.wait(POLL_S):
+                return
             if self._stop.is_set() or not self.timeout_s:
                 continue
             other = self._abort_announced()

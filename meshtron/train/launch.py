@@ -124,6 +124,7 @@ def launch_ranks(job: TrainJob) -> int:
     if summary_path.is_file():
         import json
 
+        outputs.draw_run_curves(run_dir)  # rank 0 left them to this process
         outputs.print_result(job.cfg, json.loads(summary_path.read_text()), run_dir)
     return 0
 
@@ -224,6 +225,7 @@ def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: in
     restart.clear_notes(run_dir)  # attempts are counted again from 0
     outputs.print_plan(plan, chosen.cluster, dtype_note(job, request, plan), chosen.source)
     outputs.print_moe_aux_note(job.cfg.model, plan)
+    outputs.prefetch_curves()  # drawn here after the ranks: draw_run_curves
     return launch_local(nproc, rank_command(job, run_dir, request),
                         max_restarts=job.checkpoint.max_restarts,
                         grace_s=job.checkpoint.preempt_grace_s,

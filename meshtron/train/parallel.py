@@ -245,13 +245,14 @@ def predicted_memory(cfg: RunConfig, plan, cluster) -> dict[str, Any] | None:
 def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
                   cluster=None, show_progress: bool = True,
                   fresh_tokenizer: bool = True, checkpoint=None,
-                  trace_samples: bool = False) -> dict[str, Any] | None:
+                  trace_samples: bool = False, curves: bool = True) -> dict[str, Any] | None:
     """Run the plan on this rank (process group already initialised); rank 0 writes the run's
     outputs and returns the summary, with the planner's prediction beside the measurement when
     a cluster is known. `fresh_tokenizer`: no launching parent has trained the run's BPE
     tokenizer yet (rank 0 trains it). `checkpoint`: a `meshtron.checkpoint.CheckpointConfig`,
     or None. `trace_samples`: every metrics record names its step's samples (elastic runs:
-    the sampler's `last_step_fields`)."""
+    the sampler's `last_step_fields`). `curves=False`: the launching parent draws curves.png
+    (outputs.draw_run_curves)."""
     from meshtron.checkpoint.checkpointer import make_checkpointer
     from meshtron.parallel.mesh import named_submeshes
 
@@ -296,6 +297,6 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
                 "the fullest rank (plus activations, gathered copies and workspace), for the "
                 "run's dtype",
     }, indent=2))
-    outputs.finish_run(run_dir, summary, result.records)
+    outputs.finish_run(run_dir, summary, result.records, curves=curves)
     return summary
 

@@ -73,7 +73,8 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
         summary = train_on_rank(job.cfg, plan, world, device, cluster,
                                 fresh_tokenizer=not job.launched_rank,
                                 checkpoint=job.checkpoint,
-                                trace_samples=job.elastic is not None)
+                                trace_samples=job.elastic is not None,
+                                curves=not job.launched_rank)  # the launcher draws them
         if summary is not None and not job.launched_rank:
             # Started by an outside torchrun/srun: rank 0 reports (meshtron's own launcher
             # reports from the parent instead).
