@@ -37,7 +37,7 @@ from meshtron.checkpoint import store
 
 ATTEMPTS = "attempts"
 EXITS = "exits.json"
-FINAL = "final.json"
+FINAL = "final"
 
 
 def attempt(env: Mapping[str, str] | None = None) -> int:
@@ -148,6 +148,16 @@ def _notes_dir(run_dir: str | Path, n: int) -> Path:
     return _notes_root(run_dir) / f"attempt_{n}"
 
 
+def open_notes(run_dir: str | Path) -> None:
+    """Make this attempt's notes folder at its start (never raises): a folder needs a block on
+    most file systems, which a disk that fills up later no longer has, while the notes' files
+    (an inode each, `note_final`'s link) may still be made then."""
+    try:
+        _notes_dir(run_dir, attempt()).mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass
+
+
 def note_failure(run_dir: str | Path, rank: int, cause: str, kind: str = "exception") -> None:
     """Record why this rank is failing (never raises: a note that cannot be written is one line
     on stderr). `kind`: "exception" (a Python error), "watchdog" (the doctor's watchdog abort)
@@ -164,12 +174,15 @@ def note_failure(run_dir: str | Path, rank: int, cause: str, kind: str = "except
 
 def note_final(run_dir: str | Path, code: int) -> bool:
     """Note that this attempt ends the job with `code` (meshtron/train/rank.py
-    `_end_restarts`); False when another rank of the attempt noted it first."""
+    `_end_restarts`); False when another rank of the attempt noted it first. The note is a
+    symbolic link whose target is the code: made in one step, by one rank only (EEXIST), and
+    its two bytes kept in the inode (ext4's fast symlinks, tmpfs's short ones), so it is
+    written on a full disk too, where a file's content is not (a storage error's usual case:
+    an empty final.json left the launcher blaming the agent's SIGTERM, exit 143)."""
     note = _notes_dir(run_dir, attempt()) / FINAL
     try:
         note.parent.mkdir(parents=True, exist_ok=True)
-        with open(note, "x") as f:
-            f.write(json.dumps({"code": code}))
+        os.symlink(str(code), note)
     except FileExistsError:
         return False
     except OSError:  # the notes' disk failed too: the agent still stops, with its own code
@@ -180,9 +193,8 @@ def note_final(run_dir: str | Path, code: int) -> bool:
 def final_code(run_dir: str | Path) -> int | None:
     """The code a rank ended the job with in the newest attempt (`note_final`), or None."""
     try:
-        return int(json.loads((_notes_dir(run_dir, last_attempt(run_dir)) / FINAL)
-                              .read_text())["code"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(os.readlink(_notes_dir(run_dir, last_attempt(run_dir)) / FINAL))
+    except (OSError, ValueError):
         return None
 
 
@@ -253,11 +265,21 @@ def _notes(run_dir: str | Path, world_size: int, n: int) -> list[dict[str, Any]]
     folder = _notes_dir(run_dir, n)
     notes = []
     for r in range(world_size):
+        path = folder / f"rank_{r}.json"
         try:
-            notes.append(json.loads((folder / f"rank_{r}.json").read_text()))
+            notes.append(json.loads(path.read_text()))
         except (OSError, ValueError):
-            continue
+            if path.is_file():  # made, but its content not written (a full disk): no signal
+                notes.append(_unwritten_note(r, path))
     return notes
+
+
+def _unwritten_note(rank: int, path: Path) -> dict[str, Any]:
+    """A rank's note whose file exists but holds no complete note: the rank did fail with a
+    Python error (a killed rank makes no file), whose text went to its output only."""
+    return {"rank": rank, "kind": "exception", "time": path.stat().st_mtime,
+            "cause": "an error whose note could not be written (the run folder's disk; "
+                     "its output above names the error)"}
 
 
 def clear_notes(run_dir: str | Path) -> None:

@@ -186,9 +186,13 @@ def restarts_used_up(job: TrainJob, nproc: int, code: int) -> str:
     cause = restart.attempt_cause(run_dir, nproc, done)
     latest = store.find_latest(store.checkpoint_root(run_dir), deep=False).step
     if (run_dir / "metrics.jsonl").is_file():
-        history.append(run_dir / "metrics.jsonl", {
-            "event": "failed", "attempt": done, "max_restarts": limit, "cause": cause,
-            "resume_from_step": latest, "exit_code": code, "time": time.time()})
+        try:
+            history.append(run_dir / "metrics.jsonl", {
+                "event": "failed", "attempt": done, "max_restarts": limit, "cause": cause,
+                "resume_from_step": latest, "exit_code": code, "time": time.time()})
+        except OSError as exc:  # the disk the ranks failed on (full): the line below says it
+            print(f"meshtron train: could not add the `failed` record to metrics.jsonl "
+                  f"({type(exc).__name__}: {exc})", file=sys.stderr)
     resume = (f"continue from step {latest} with --resume" if latest is not None
               else "no complete checkpoint to resume from")
     budget = (f"the restart budget is used up ({done} of --max-restarts {limit} done)"

@@ -198,8 +198,9 @@ def _attempt(job: TrainJob, world: World) -> int:
     to a folder of their own: doctor.trace_dir); 0 otherwise (elastic agents count their
     restarts each on its own)."""
     if _restarted_by_torchrun(job, world):
-        from meshtron.checkpoint.restart import attempt
+        from meshtron.checkpoint.restart import attempt, open_notes
 
+        open_notes(job.cfg.train.run_dir)  # while the disk has room for a folder
         return attempt()
     return 0
 
