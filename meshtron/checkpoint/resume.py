@@ -9,7 +9,6 @@ omits a setting; `prepare_start`: the launcher's checks, before any rank starts.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +186,7 @@ def prepare_start(ckpt: CheckpointConfig, cfg: Any, overwrite: bool, plan: Any =
     if ckpt.resume:
         check_resume(ckpt, cfg, plan)
         (root / store.PREEMPTED).unlink(missing_ok=True)
-    elif overwrite and root.is_dir():
-        shutil.rmtree(root)
+    elif overwrite and root.is_dir():  # also a link or mount point: emptied, kept
+        store.clear_root(root)
     elif overwrite and root.exists():  # a file where the checkpoints go: replaced as well
         root.unlink()
