@@ -165,6 +165,9 @@ def test_resume_falls_back_with_a_clear_message_and_fails_cleanly_when_nothing_i
     (["--mtbf-hours", "nan"], "--mtbf-hours=nan"),
     (["--keep", "two"], "--keep"),
     (["--resume", "--set", "model.layers=3"], "model.layers=2"),
+    # another model is named as what the user changed (was: its first differing field only)
+    (["--resume", "--model", "tiny"], "--resume: --model tiny: the checkpoint step_00000006 was "
+                                      "saved by a run of model debug (model."),
     # The checkpoint holds the schedule's position, not its shape (issue 23: a changed --steps
     # silently moved the learning rate): another --steps is refused where a step taken had
     # another rate, tests/test_resume_extend.py (this run's 6 steps are all in its warm-up)
