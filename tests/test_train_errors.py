@@ -43,6 +43,13 @@ def _one_line(capsys, code, needle):
     (["plan", "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "0"],
      "argument --global-batch: '0'"),
     (["nosuchcommand"], "invalid choice"),
+    # no layout of 3 CPU ranks (the default batch of 16): the reason keeps its subject, and
+    # a CPU run's ranks are not called GPUs (was: "no layout of 3 GPUs runs: ... left out:
+    # must be divisible by plan.dp=3": user audit 48b)
+    (["train", "--model", "debug", "--nproc", "3"],
+     "no layout of 3 devices runs: pure data parallel / ZeRO (tp=1, pp=1) layouts left out: "
+     "plan.global_batch=16 (the global batch, sequences per step): must be divisible by "
+     "plan.dp=3"),
 ])
 def test_bad_flags_are_one_line(capsys, tmp_path, argv, needle):
     if argv[0] == "train":
