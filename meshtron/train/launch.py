@@ -66,10 +66,25 @@ def train_here(job: TrainJob) -> int:
         result = train(job.cfg, overwrite=job.overwrite, data=data, checkpoint=job.checkpoint)
     except Preempted:
         return EXIT_PREEMPTED
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is one; a storage
+        return storage_ending(exc)  # error is one line, as the ranks say it
     finally:
         run_lock.release(job.cfg.train.run_dir)
     outputs.print_result(job.cfg, result.to_dict(), Path(job.cfg.train.run_dir))
     return 0
+
+
+def storage_ending(exc: BaseException) -> int:
+    """One process's end on a storage error (a full, read-only or over-quota run folder: not a
+    bug, nothing to trace) as the ranks' (rank.py): one line naming the OSError, exit code
+    EXIT_STORAGE; any other error is raised again, with its traceback."""
+    from meshtron.checkpoint import EXIT_STORAGE
+    from meshtron.checkpoint.restart import cause_text, storage_error
+
+    if not storage_error(exc):
+        raise exc
+    print(f"meshtron train: failed: {cause_text(exc)} (a storage error)", file=sys.stderr)
+    return EXIT_STORAGE
 
 
 def launch_ranks(job: TrainJob) -> int:
