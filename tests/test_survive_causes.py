@@ -69,10 +69,12 @@ def test_checkpoint_disk_error_is_not_restarted(tmp_path):
     _wait(lambda: (run_dir / "checkpoints" / "step_00000003").is_dir(), proc)
     (run_dir / "checkpoints").rename(tmp_path / "saved_checkpoints")
     (run_dir / "checkpoints").write_text("not a folder\n")  # every later save fails
-    # rank 1's dump cannot be written either (a folder where it goes: EISDIR, also for root),
-    # as on a full disk: the storage error is still found (the dump raised and hid it: exit 1
-    # with a traceback, then a restart) and the failed dump is one line
-    (run_dir / "trace" / "rank_1.json").mkdir()
+    # the ranks' dumps cannot be written either (a folder where each goes: EISDIR, also for
+    # root), as on a full disk: the storage error is still found (the dump raised and hid it:
+    # exit 1 with tracebacks, then a restart), a failed dump is one line, and the doctor
+    # names the error from the ranks' failure notes
+    for rank in (0, 1):
+        (run_dir / "trace" / f"rank_{rank}.json").mkdir()
     out, _ = proc.communicate(timeout=150)
     assert proc.returncode == 74, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
@@ -88,6 +90,7 @@ def test_checkpoint_disk_error_is_not_restarted(tmp_path):
     code, doc = _doctor(run_dir)
     assert code == 3 and doc["kind"] == "exception", doc
     assert " raised NotADirectoryError: " in doc["verdict"], doc["verdict"]
+    assert "(its dump could not be written: this is its failure note" in doc["verdict"], doc
     assert doc["culprit_ranks"] and doc["verdict"].startswith(
         f"rank {doc['culprit_ranks'][0]} "), doc
 

@@ -261,6 +261,12 @@ def attempt_cause(run_dir: str | Path, world_size: int, n: int) -> str:
     return f"rank {first['rank']} failed: {first['cause']}"
 
 
+def failure_notes(run_dir: str | Path, world_size: int, n: int) -> list[dict[str, Any]]:
+    """The notes the ranks of attempt `n` left on failing (`note_failure`): 'rank', 'cause',
+    'kind', 'time' each (`meshtron doctor` reads them for a rank whose dump is missing)."""
+    return _notes(run_dir, world_size, n)
+
+
 def _notes(run_dir: str | Path, world_size: int, n: int) -> list[dict[str, Any]]:
     folder = _notes_dir(run_dir, n)
     notes = []
