@@ -247,7 +247,7 @@ def holds_checkpoints(root: Path) -> bool:
     An empty folder (a link to another file system, or a mount point, made ready for the run)
     does not."""
     if not root.is_dir():
-        return root.exists() or root.is_symlink()
+        return root.exists()
     return any(entry.name not in KEPT_ENTRIES for entry in root.iterdir())
 
 
