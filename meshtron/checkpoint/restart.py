@@ -24,6 +24,7 @@ failure, whatever the exit code: torch 2.13 elastic/agent/server/api.py `_invoke
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -38,6 +39,7 @@ from meshtron.checkpoint import store
 ATTEMPTS = "attempts"
 EXITS = "exits.json"
 FINAL = "final"
+BRIEF = ".cause"
 
 
 def attempt(env: Mapping[str, str] | None = None) -> int:
@@ -158,18 +160,35 @@ def open_notes(run_dir: str | Path) -> None:
         pass
 
 
-def note_failure(run_dir: str | Path, rank: int, cause: str, kind: str = "exception") -> None:
+def note_failure(run_dir: str | Path, rank: int, cause: str, kind: str = "exception",
+                 brief: str | None = None) -> None:
     """Record why this rank is failing (never raises: a note that cannot be written is one line
     on stderr). `kind`: "exception" (a Python error), "watchdog" (the doctor's watchdog abort)
-    or "teardown" (stopped by torchrun after another rank ended: not a cause of its own)."""
+    or "teardown" (stopped by torchrun after another rank ended: not a cause of its own).
+    `brief` (`brief_cause`): kept as a symbolic link's target when the note's content cannot
+    be written (a full disk), so that the cause is still named."""
+    folder = _notes_dir(run_dir, attempt())
     try:
-        folder = _notes_dir(run_dir, attempt())
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank_{rank}.json").write_text(json.dumps(
             {"rank": rank, "cause": cause[:500], "kind": kind, "time": time.time()}))
     except OSError as exc:
         print(f"meshtron train (rank {rank}): could not write the failure note ({exc}); the "
               f"cause was: {cause[:500]}", file=sys.stderr, flush=True)
+        if brief:
+            with contextlib.suppress(OSError):
+                os.symlink(brief, folder / f"rank_{rank}{BRIEF}")
+
+
+def brief_cause(exc: BaseException) -> str:
+    """`exc` in at most 59 bytes, what an ext4 symbolic link keeps in its inode (a fast
+    symlink: no data block, so it is made on a full disk too; tmpfs keeps 128): 'OSError:
+    [Errno 28] No space left on device' for a storage error (its errno, not its path), else
+    the error's type."""
+    found = storage_cause(exc)
+    if found is None:
+        return type(exc).__name__[:59]
+    return f"{type(found).__name__}: [Errno {found.errno}] {os.strerror(found.errno)}"[:59]
 
 
 def note_final(run_dir: str | Path, code: int) -> bool:
@@ -282,10 +301,14 @@ def _notes(run_dir: str | Path, world_size: int, n: int) -> list[dict[str, Any]]
 
 def _unwritten_note(rank: int, path: Path) -> dict[str, Any]:
     """A rank's note whose file exists but holds no complete note: the rank did fail with a
-    Python error (a killed rank makes no file), whose text went to its output only."""
-    return {"rank": rank, "kind": "exception", "time": path.stat().st_mtime,
-            "cause": "an error whose note could not be written (the run folder's disk; "
-                     "its output above names the error)"}
+    Python error (a killed rank makes no file), named by its brief cause when that was kept
+    (`note_failure`), else by its output only."""
+    try:
+        cause = f"{os.readlink(path.with_suffix(BRIEF))} (its note could not be written)"
+    except OSError:
+        cause = ("an error whose note could not be written (the run folder's disk; its output "
+                 "above names the error)")
+    return {"rank": rank, "kind": "exception", "time": path.stat().st_mtime, "cause": cause}
 
 
 def clear_notes(run_dir: str | Path) -> None:
