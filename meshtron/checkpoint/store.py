@@ -248,7 +248,10 @@ def holds_checkpoints(root: Path) -> bool:
     does not."""
     if not root.is_dir():
         return root.exists()
-    return any(entry.name not in KEPT_ENTRIES for entry in root.iterdir())
+    try:
+        return any(entry.name not in KEPT_ENTRIES for entry in root.iterdir())
+    except OSError:  # unreadable: taken for a run, as before (the check writes nothing)
+        return True
 
 
 def clear_root(root: Path) -> None:
