@@ -165,6 +165,9 @@ def test_resume_falls_back_with_a_clear_message_and_fails_cleanly_when_nothing_i
     (["--mtbf-hours", "nan"], "--mtbf-hours=nan"),
     (["--keep", "two"], "--keep"),
     (["--resume", "--set", "model.layers=3"], "model.layers=2"),
+    # another model is named as what the user changed (was: its first differing field only)
+    (["--resume", "--model", "tiny"], "--resume: --model tiny: the checkpoint step_00000006 was "
+                                      "saved by a run of model debug (model."),
     # The checkpoint holds the schedule's position, not its shape (issue 23: a changed --steps
     # silently moved the learning rate): another --steps is refused where a step taken had
     # another rate, tests/test_resume_extend.py (this run's 6 steps are all in its warm-up)
@@ -295,6 +298,25 @@ def test_the_copy_to_host_runs_off_the_training_thread_and_the_next_step_waits_f
     assert all(torch.equal(on_disk[k], saved_state[k]) for k in saved_state)
     now = engine.model.state_dict()
     assert any(not torch.equal(now[k], saved_state[k]) for k in saved_state)
+
+
+def test_checkpoints_linked_to_another_folder_are_kept_a_link(tmp_path, capsys):
+    """RUN_DIR/checkpoints as a symbolic link to another file system (how operators move
+    checkpoints: the folder is fixed): an empty one is no run (was: refused, 'holds a run'),
+    and --overwrite empties the link's target, keeping the link (was: rmtree's 'Cannot call
+    rmtree on a symbolic link' traceback; a mount point's EBUSY likewise: audit 48b)."""
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "other_disk"
+    run_dir.mkdir()
+    elsewhere.mkdir()
+    link = store.checkpoint_root(run_dir)
+    link.symlink_to(elsewhere)
+    argv = ["train", *RUN, "--steps", "2", "--checkpoint-every", "2", "--run-dir", str(run_dir)]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert main(argv) == 2  # now it holds a run
+    assert "holds a run (metrics.jsonl)" in capsys.readouterr().err
+    assert main([*argv, "--overwrite", "--steps", "3", "--checkpoint-every", "3"]) == 0, \
+        capsys.readouterr().err
+    assert link.is_symlink() and [s for s, _ in store.committed(elsewhere)] == [3]
 
 
 def test_overwrite_replaces_a_file_where_the_checkpoints_go(tmp_path, capsys):

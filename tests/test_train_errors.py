@@ -43,6 +43,13 @@ def _one_line(capsys, code, needle):
     (["plan", "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "0"],
      "argument --global-batch: '0'"),
     (["nosuchcommand"], "invalid choice"),
+    # no layout of 3 CPU ranks (the default batch of 16): the reason keeps its subject, and
+    # a CPU run's ranks are not called GPUs (was: "no layout of 3 GPUs runs: ... left out:
+    # must be divisible by plan.dp=3": user audit 48b)
+    (["train", "--model", "debug", "--nproc", "3"],
+     "no layout of 3 devices runs: pure data parallel / ZeRO (tp=1, pp=1) layouts left out: "
+     "plan.global_batch=16 (the global batch, sequences per step): must be divisible by "
+     "plan.dp=3"),
 ])
 def test_bad_flags_are_one_line(capsys, tmp_path, argv, needle):
     if argv[0] == "train":
@@ -127,6 +134,28 @@ def test_torch_error_in_a_step_is_a_traceback_not_bad_input(tmp_path):
                for line in lines), ranks.stderr[-3000:]
     assert any("out of bounds" in line and line.startswith("[rank ") for line in lines)
     assert "the 2 ranks failed" in ranks.stderr
+
+
+def test_a_checkpoint_the_disk_refuses_is_one_line_in_one_process(tmp_path):
+    """`meshtron train` with its default one process, under a file-size limit below a
+    checkpoint (RLIMIT_FSIZE, as `ulimit -f` or a batch system sets it; the kernel answers the
+    save with EFBIG, as a full disk answers ENOSPC; no root needed): one line naming the
+    OSError, exit 74 as the ranks of `--nproc N` end (was: DCP's tracebacks, exit 1)."""
+    import resource
+
+    def _limited() -> None:
+        limit = 256 * 1024  # the debug model's checkpoint is ~1.5 MB; the logs stay below
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run([sys.executable, "-m", "meshtron", "train", *RUN, "--checkpoint-every",
+                           "2", "--run-dir", str(tmp_path / "run")], capture_output=True,
+                          text=True, timeout=300, preexec_fn=_limited,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 74, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "meshtron train: failed: OSError: [Errno 27] File too large (inside "
+        "CheckpointException) (a storage error)"), proc.stderr[-3000:]
 
 
 def test_saved_plan_without_nproc_takes_its_world_size(capsys, tmp_path):

@@ -6,7 +6,9 @@
   the docstring written under it in the dataclass (read with `ast`, nothing imported).
 - `reference/api.md`: the names `import meshtron` exports, with signature and docstring.
 
-Nothing is written into docs/: the pages exist only in the build, so they cannot go stale.
+Nothing generated is written into docs/: the pages exist only in the build, so they cannot go
+stale. docs/reference/ holds a placeholder of each (saying where the page is built), so that the
+links to them resolve when the repository is browsed; the build replaces it.
 """
 
 from __future__ import annotations
@@ -150,5 +152,8 @@ PAGES = {"reference/cli.md": cli_page, "reference/config.md": config_page,
 
 def on_files(files, config):
     for uri, make in PAGES.items():
+        placeholder = files.get_file_from_path(uri)
+        if placeholder is not None:
+            files.remove(placeholder)
         files.append(File.generated(config, uri, content=make()))
     return files

@@ -17,7 +17,6 @@ per-step preemption vote, so the two threads never share a group.
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
 import sys
 import time
@@ -170,8 +169,8 @@ class Checkpointer:
         n = restart.attempt()
         resume = self.may_resume
         if self.rank == 0:
-            if not resume and self.root.exists():  # a fresh run replaces an old run's state
-                shutil.rmtree(self.root)
+            if not resume and self.root.is_dir():  # a fresh run replaces an old run's state
+                store.clear_root(self.root)
             store.remove_partial(self.root)
             (self.root / store.PREEMPTED).unlink(missing_ok=True)
         if self.snapshots is not None and n == 0:

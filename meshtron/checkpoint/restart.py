@@ -24,6 +24,7 @@ failure, whatever the exit code: torch 2.13 elastic/agent/server/api.py `_invoke
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -37,7 +38,8 @@ from meshtron.checkpoint import store
 
 ATTEMPTS = "attempts"
 EXITS = "exits.json"
-FINAL = "final.json"
+FINAL = "final"
+BRIEF = ".cause"
 
 
 def attempt(env: Mapping[str, str] | None = None) -> int:
@@ -148,28 +150,58 @@ def _notes_dir(run_dir: str | Path, n: int) -> Path:
     return _notes_root(run_dir) / f"attempt_{n}"
 
 
-def note_failure(run_dir: str | Path, rank: int, cause: str, kind: str = "exception") -> None:
+def open_notes(run_dir: str | Path) -> None:
+    """Make this attempt's notes folder at its start (never raises): a folder needs a block on
+    most file systems, which a disk that fills up later no longer has, while the notes' files
+    (an inode each, `note_final`'s link) may still be made then."""
+    try:
+        _notes_dir(run_dir, attempt()).mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass
+
+
+def note_failure(run_dir: str | Path, rank: int, cause: str, kind: str = "exception",
+                 brief: str | None = None) -> None:
     """Record why this rank is failing (never raises: a note that cannot be written is one line
     on stderr). `kind`: "exception" (a Python error), "watchdog" (the doctor's watchdog abort)
-    or "teardown" (stopped by torchrun after another rank ended: not a cause of its own)."""
+    or "teardown" (stopped by torchrun after another rank ended: not a cause of its own).
+    `brief` (`brief_cause`): kept as a symbolic link's target when the note's content cannot
+    be written (a full disk), so that the cause is still named."""
+    folder = _notes_dir(run_dir, attempt())
     try:
-        folder = _notes_dir(run_dir, attempt())
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank_{rank}.json").write_text(json.dumps(
             {"rank": rank, "cause": cause[:500], "kind": kind, "time": time.time()}))
     except OSError as exc:
         print(f"meshtron train (rank {rank}): could not write the failure note ({exc}); the "
               f"cause was: {cause[:500]}", file=sys.stderr, flush=True)
+        if brief:
+            with contextlib.suppress(OSError):
+                os.symlink(brief, folder / f"rank_{rank}{BRIEF}")
+
+
+def brief_cause(exc: BaseException) -> str:
+    """`exc` in at most 59 bytes, what an ext4 symbolic link keeps in its inode (a fast
+    symlink: no data block, so it is made on a full disk too; tmpfs keeps 128): 'OSError:
+    [Errno 28] No space left on device' for a storage error (its errno, not its path), else
+    the error's type."""
+    found = storage_cause(exc)
+    if found is None:
+        return type(exc).__name__[:59]
+    return f"{type(found).__name__}: [Errno {found.errno}] {os.strerror(found.errno)}"[:59]
 
 
 def note_final(run_dir: str | Path, code: int) -> bool:
     """Note that this attempt ends the job with `code` (meshtron/train/rank.py
-    `_end_restarts`); False when another rank of the attempt noted it first."""
+    `_end_restarts`); False when another rank of the attempt noted it first. The note is a
+    symbolic link whose target is the code: made in one step, by one rank only (EEXIST), and
+    its two bytes kept in the inode (ext4's fast symlinks, tmpfs's short ones), so it is
+    written on a full disk too, where a file's content is not (a storage error's usual case:
+    an empty final.json left the launcher blaming the agent's SIGTERM, exit 143)."""
     note = _notes_dir(run_dir, attempt()) / FINAL
     try:
         note.parent.mkdir(parents=True, exist_ok=True)
-        with open(note, "x") as f:
-            f.write(json.dumps({"code": code}))
+        os.symlink(str(code), note)
     except FileExistsError:
         return False
     except OSError:  # the notes' disk failed too: the agent still stops, with its own code
@@ -180,9 +212,8 @@ def note_final(run_dir: str | Path, code: int) -> bool:
 def final_code(run_dir: str | Path) -> int | None:
     """The code a rank ended the job with in the newest attempt (`note_final`), or None."""
     try:
-        return int(json.loads((_notes_dir(run_dir, last_attempt(run_dir)) / FINAL)
-                              .read_text())["code"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(os.readlink(_notes_dir(run_dir, last_attempt(run_dir)) / FINAL))
+    except (OSError, ValueError):
         return None
 
 
@@ -249,15 +280,35 @@ def attempt_cause(run_dir: str | Path, world_size: int, n: int) -> str:
     return f"rank {first['rank']} failed: {first['cause']}"
 
 
+def failure_notes(run_dir: str | Path, world_size: int, n: int) -> list[dict[str, Any]]:
+    """The notes the ranks of attempt `n` left on failing (`note_failure`): 'rank', 'cause',
+    'kind', 'time' each (`meshtron doctor` reads them for a rank whose dump is missing)."""
+    return _notes(run_dir, world_size, n)
+
+
 def _notes(run_dir: str | Path, world_size: int, n: int) -> list[dict[str, Any]]:
     folder = _notes_dir(run_dir, n)
     notes = []
     for r in range(world_size):
+        path = folder / f"rank_{r}.json"
         try:
-            notes.append(json.loads((folder / f"rank_{r}.json").read_text()))
+            notes.append(json.loads(path.read_text()))
         except (OSError, ValueError):
-            continue
+            if path.is_file():  # made, but its content not written (a full disk): no signal
+                notes.append(_unwritten_note(r, path))
     return notes
+
+
+def _unwritten_note(rank: int, path: Path) -> dict[str, Any]:
+    """A rank's note whose file exists but holds no complete note: the rank did fail with a
+    Python error (a killed rank makes no file), named by its brief cause when that was kept
+    (`note_failure`), else by its output only."""
+    try:
+        cause = f"{os.readlink(path.with_suffix(BRIEF))} (its note could not be written)"
+    except OSError:
+        cause = ("an error whose note could not be written (the run folder's disk; its output "
+                 "above names the error)")
+    return {"rank": rank, "kind": "exception", "time": path.stat().st_mtime, "cause": cause}
 
 
 def clear_notes(run_dir: str | Path) -> None:

@@ -9,7 +9,6 @@ omits a setting; `prepare_start`: the launcher's checks, before any rank starts.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +32,7 @@ def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path, plan: Any = _
     (--override-lr-schedule: checkpoint/extend.py)."""
     saved_cfg = meta.get("config", {})
     now_cfg = json.loads(json.dumps(cfg.to_dict(), default=str))
-    saved, now = dict(saved_cfg.get("model", {})), now_cfg["model"]
-    for key in sorted(set(saved) | set(now)):
-        if key not in _SHAPE_IGNORED and saved.get(key) != now.get(key):
-            raise UserError(f"--resume: checkpoint {folder} holds a model with "
-                            f"model.{key}={saved.get(key)!r}, this run has {now.get(key)!r}; "
-                            "resume with the same model or start a new --run-dir")
+    _refuse_model_change(dict(saved_cfg.get("model", {})), now_cfg["model"], folder)
     for section in ("data", "optim", "train"):
         for key in rf.kept(section):
             if section in saved_cfg and key in saved_cfg[section]:  # else saved before it existed
@@ -51,6 +45,22 @@ def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path, plan: Any = _
             _refuse_change(f"plan.{key}", saved_plan[key], now_plan[key], folder,
                            flag="--" + key.replace("_", "-"))
         _refuse_residual_family(meta, plan, folder)
+
+
+def _refuse_model_change(saved: dict[str, Any], now: dict[str, Any], folder: Path) -> None:
+    """The model's shape field by field; when the model's name differs too, the refusal names
+    what the user changed (--model) before the first field that differs."""
+    for key in sorted(set(saved) | set(now)):
+        if key in _SHAPE_IGNORED or saved.get(key) == now.get(key):
+            continue
+        shape = f"model.{key}={saved.get(key)!r}, this run has {now.get(key)!r}"
+        was, want = saved.get("name"), now.get("name")
+        if was and want and was != want:
+            raise UserError(f"--resume: --model {want}: the checkpoint {folder.name} was saved "
+                            f"by a run of model {was} ({shape}); allowed: --model {was} (or "
+                            "train a new --run-dir)")
+        raise UserError(f"--resume: checkpoint {folder} holds a model with {shape}; resume "
+                        "with the same model or start a new --run-dir")
 
 
 def _refuse_residual_family(meta: dict[str, Any], plan: Any, folder: Path) -> None:
@@ -187,7 +197,7 @@ def prepare_start(ckpt: CheckpointConfig, cfg: Any, overwrite: bool, plan: Any =
     if ckpt.resume:
         check_resume(ckpt, cfg, plan)
         (root / store.PREEMPTED).unlink(missing_ok=True)
-    elif overwrite and root.is_dir():
-        shutil.rmtree(root)
+    elif overwrite and root.is_dir():  # also a link or mount point: emptied, kept
+        store.clear_root(root)
     elif overwrite and root.exists():  # a file where the checkpoints go: replaced as well
         root.unlink()

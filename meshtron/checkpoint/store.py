@@ -237,6 +237,36 @@ def read_meta(folder: Path) -> dict[str, Any]:
     return json.loads((folder / META).read_text())
 
 
+KEPT_ENTRIES = frozenset({"lost+found"})
+"""What a fresh file system's root holds (ext4's mkfs): a mount point for checkpoints that holds
+only this holds no run, and --overwrite leaves it."""
+
+
+def holds_checkpoints(root: Path) -> bool:
+    """`root` (RUN_DIR/checkpoints) holds anything of a run: a file, or a folder with entries.
+    An empty folder (a link to another file system, or a mount point, made ready for the run)
+    does not."""
+    if not root.is_dir():
+        return root.exists()
+    try:
+        return any(entry.name not in KEPT_ENTRIES for entry in root.iterdir())
+    except OSError:  # unreadable: taken for a run, as before (the check writes nothing)
+        return True
+
+
+def clear_root(root: Path) -> None:
+    """Remove every checkpoint under `root`, keeping the folder itself: RUN_DIR/checkpoints is
+    fixed, so operators put checkpoints on another file system by making it a symbolic link or
+    a mount point, which rmtree refuses (a link) or cannot remove (EBUSY, a mount point)."""
+    for entry in root.iterdir():
+        if entry.name in KEPT_ENTRIES:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
 def remove_partial(root: Path) -> None:
     """Delete temporary folders of saves that never committed (a crash mid-save)."""
     if root.is_dir():

@@ -323,9 +323,9 @@ def _straggler(trace: Trace) -> Diagnosis | None:
 
 def diagnose(trace: Trace) -> Diagnosis:
     """The verdict for a run's trace, with its evidence."""
-    if not trace.dumps:
-        diagnosis = _no_dumps(trace)
-        diagnosis.evidence = evidence(trace)
+    if not trace.dumps:  # a failure note may still name the error (no dump on a full disk)
+        diagnosis = _ending(endings.raised(trace)) or _no_dumps(trace)
+        diagnosis.evidence = diagnosis.evidence + evidence(trace)
         return diagnosis
     diagnosis = (_ending(endings.died_after_dump(trace)) or _missing_ranks(trace)
                  or _ending(endings.preempted(trace)))

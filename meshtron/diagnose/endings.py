@@ -239,8 +239,10 @@ def _is_consequence(text: str) -> bool:
 
 
 def raised(trace: Trace):
-    """The earliest exception a rank raised that is not a peer's end seen from here."""
+    """The earliest exception a rank raised that is not a peer's end seen from here (from its
+    dump, or from its failure note when its dump could not be written: `_noted_errors`)."""
     errors = {r: d for r, d in trace.dumps.items() if d.get("reason", "").startswith("exception")}
+    errors = {**_noted_errors(trace), **errors}
     if not errors:
         return None
     own = {r: d for r, d in errors.items() if not _is_consequence(d["reason"])}
@@ -249,15 +251,32 @@ def raised(trace: Trace):
     first = min(own, key=lambda r: own[r]["time"])
     message = _message(own[first])
     same = sorted(r for r, d in own.items() if r != first and d["reason"] == own[first]["reason"])
-    text = f"{trace.label(first)} raised {message} at step {own[first].get('step')}"
+    noted = own[first].get("noted")
+    text = f"{trace.label(first)} raised {message}"
+    text += (" (its dump could not be written: this is its failure note in RUN_DIR/attempts; "
+             "the traceback is in the run's output)" if noted
+             else f" at step {own[first].get('step')}")
     if same:
         text += f"; {', '.join(trace.label(r) for r in same)} raised the same"
     others = sorted(r for r in errors if r not in own)
     if others:
         text += (f"; {', '.join(trace.label(r) for r in others)} then failed because a peer "
                  "was gone")
-    return Ending("exception", text + " (the traceback is in the evidence's dump).",
-                     [first, *same])
+    end = "." if noted else " (the traceback is in the evidence's dump)."
+    return Ending("exception", text + end, [first, *same])
+
+
+def _noted_errors(trace: Trace) -> dict[int, dict[str, Any]]:
+    """rank -> a dump-like record ('reason', 'time', 'noted') of each rank with no readable
+    dump whose failure note (checkpoint/restart.py `note_failure`, written with restarts) names
+    a Python error: a rank whose dump failed (a full disk, an unwritable trace folder) did
+    raise; without this it read as no exception at all."""
+    from meshtron.checkpoint.restart import failure_notes
+
+    return {note["rank"]: {"reason": f"exception: {note['cause']}", "time": note["time"],
+                           "noted": True}
+            for note in failure_notes(trace.run_dir, trace.world_size, trace.attempt)
+            if note.get("kind") == "exception" and note.get("rank") not in trace.dumps}
 
 
 def _message(dump: dict[str, Any]) -> str:

@@ -47,8 +47,12 @@ def hello_path(trace_dir: Path, rank: int) -> Path:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, default=str))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, default=str))
+        os.replace(tmp, path)
+    except OSError:  # a full disk: no partial file left to take the space or be read
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_hello(trace_dir: Path, rank: int, world_size: int) -> None:

@@ -211,7 +211,7 @@ class DoctorSession:
         self._last_progress = time.time()
 
     # -- dumps ---------------------------------------------------------------------------------
-    def dump_exception(self, exc: BaseException, cause: str | None = None) -> Path:
+    def dump_exception(self, exc: BaseException, cause: str | None = None) -> Path | None:
         """Dump for `exc`; `cause` ('Type: message') names what it wraps when the caller knows
         better than its type (DCP's CheckpointException around each rank's OSError)."""
         import traceback
@@ -222,8 +222,19 @@ class DoctorSession:
         self._exception_reason = f"exception: {cause or f'{type(exc).__name__}: {exc}'}"
         return self.dump(self._exception_reason)
 
-    def dump(self, reason: str) -> Path:
-        """Write TRACE_DIR/rank_N.json now (any thread); returns its path."""
+    def dump(self, reason: str) -> Path | None:
+        """Write TRACE_DIR/rank_N.json now (any thread); returns its path, or None when it could
+        not be written (one line on stderr). Never raises OSError: a dump is written on the
+        failure path, often onto the disk that failed (a full run folder), and its own error
+        must not replace the failure it records (rank.py classifies that after dumping)."""
+        try:
+            return self._write_dump(reason)
+        except OSError as exc:
+            print(f"[rank {self.rank}] could not write the doctor's trace to {self.trace_dir} "
+                  f"({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+            return None
+
+    def _write_dump(self, reason: str) -> Path:
         with self._lock:
             doc = {
                 "format": dumpfile.FORMAT, "rank": self.rank, "world_size": self.world_size,
@@ -336,7 +347,7 @@ class DoctorSession:
         # lock waits for it) when this exits the process.
         again = signum == signal.SIGTERM and self._exception_reason is not None
         path = self.dump(self._exception_reason if again else name)
-        if signum == signal.SIGUSR1:  # every thread's stack is in the dump: one line here
+        if signum == signal.SIGUSR1 and path is not None:  # the stacks are in the dump
             print(f"[rank {self.rank}] SIGUSR1: trace written to {path}", file=sys.stderr,
                   flush=True)
         elif (self._previous.get(signum) == signal.SIG_DFL

@@ -220,14 +220,22 @@ def _leanest(ev: Evaluator, space: SearchSpace, tp: int, cp: int, pp: int,
 
 def _no_layout_message(space: SearchSpace, cluster: ClusterSpec, global_batch: int) -> str:
     k = space.knobs
+    devices = device_count(cluster)
     left_out = [n for n in space.notes if " layouts left out: " in n]
     if left_out:  # the validity function refused the layouts: its reason, not the batch's
-        return f"no layout of {cluster.num_gpus} GPUs runs: {'; '.join(left_out)}"
+        return f"no layout of {devices} runs: {'; '.join(left_out)}"
     if k.dp is None:
-        return (f"global_batch={global_batch}: no tp x pp x dp layout of {cluster.num_gpus} GPUs "
+        return (f"global_batch={global_batch}: no tp x pp x dp layout of {devices} "
                 f"has a data-parallel degree dividing it (tp from {space.tps}); "
                 "use a batch divisible by more powers of two")
-    return f"layout {k.to_dict()}: no valid layout on {cluster.num_gpus} GPUs"
+    return f"layout {k.to_dict()}: no valid layout on {devices}"
+
+
+def device_count(cluster: ClusterSpec) -> str:
+    """'16 GPUs' for a cluster of catalogue GPUs; '3 devices' for one described by numbers
+    only (a CPU run's ranks: nominal-cpu, a calibrated machine; a TOML cluster)."""
+    word = "GPU" if cluster.gpu is not None else "device"
+    return f"{cluster.num_gpus} {word}{'s' if cluster.num_gpus != 1 else ''}"
 
 
 __all__ = ["Families", "branch_and_bound"]

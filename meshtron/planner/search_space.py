@@ -30,6 +30,9 @@ from meshtron.planner.plan_rules_stack import layout_problem, most_chunk_layers
 from meshtron.planner.search_fixed import PinnedKnobs, SplitFallback, runs_ep
 from meshtron.planner.search_schedules import VIRTUAL_STAGES, searched_schedules
 
+_LAYOUT_FIELD = re.compile(r"plan\.(tp|cp|pp|dp|ep)=\d+: ")
+"""A validity reason whose subject is a degree the layout family varies (its value differs
+from one layout of the family to the next)."""
 MIN_CP_TOKENS = 8192
 """Fewest tokens of a sequence per context rank for the search to try that cp
 (`SearchSpace.cps`)."""
@@ -288,8 +291,10 @@ class SearchSpace(PinnedKnobs):
         by_reason: dict[str, list[str]] = {}
         for fam, reason in left_out.items():
             if fam not in found:
-                # "plan.pp=2: model ... ties ..." -> the reason, shared by every pp value
-                why = reason.split(": ", 1)[1] if reason.startswith("plan.") else reason
+                # "plan.pp=2: model ... ties ..." -> the reason, shared by every pp value; a
+                # field the family does not vary keeps its subject ("plan.global_batch=16
+                # (...): must be divisible by plan.dp=3": without it, no subject at all)
+                why = reason.split(": ", 1)[1] if _LAYOUT_FIELD.match(reason) else reason
                 by_reason.setdefault(why, []).append(FAMILIES[fam])
         for why, fams in by_reason.items():
             self.notes.append(f"{' and '.join(fams)} layouts left out: {why}")

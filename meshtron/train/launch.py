@@ -66,10 +66,25 @@ def train_here(job: TrainJob) -> int:
         result = train(job.cfg, overwrite=job.overwrite, data=data, checkpoint=job.checkpoint)
     except Preempted:
         return EXIT_PREEMPTED
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is one; a storage
+        return storage_ending(exc)  # error is one line, as the ranks say it
     finally:
         run_lock.release(job.cfg.train.run_dir)
     outputs.print_result(job.cfg, result.to_dict(), Path(job.cfg.train.run_dir))
     return 0
+
+
+def storage_ending(exc: BaseException) -> int:
+    """One process's end on a storage error (a full, read-only or over-quota run folder: not a
+    bug, nothing to trace) as the ranks' (rank.py): one line naming the OSError, exit code
+    EXIT_STORAGE; any other error is raised again, with its traceback."""
+    from meshtron.checkpoint import EXIT_STORAGE
+    from meshtron.checkpoint.restart import cause_text, storage_error
+
+    if not storage_error(exc):
+        raise exc
+    print(f"meshtron train: failed: {cause_text(exc)} (a storage error)", file=sys.stderr)
+    return EXIT_STORAGE
 
 
 def launch_ranks(job: TrainJob) -> int:
@@ -187,9 +202,13 @@ def restarts_used_up(job: TrainJob, nproc: int, code: int) -> str:
     cause = restart.attempt_cause(run_dir, nproc, done)
     latest = store.find_latest(store.checkpoint_root(run_dir), deep=False).step
     if (run_dir / "metrics.jsonl").is_file():
-        history.append(run_dir / "metrics.jsonl", {
-            "event": "failed", "attempt": done, "max_restarts": limit, "cause": cause,
-            "resume_from_step": latest, "exit_code": code, "time": time.time()})
+        try:
+            history.append(run_dir / "metrics.jsonl", {
+                "event": "failed", "attempt": done, "max_restarts": limit, "cause": cause,
+                "resume_from_step": latest, "exit_code": code, "time": time.time()})
+        except OSError as exc:  # the disk the ranks failed on (full): the line below says it
+            print(f"meshtron train: could not add the `failed` record to metrics.jsonl "
+                  f"({type(exc).__name__}: {exc})", file=sys.stderr)
     resume = (f"continue from step {latest} with --resume" if latest is not None
               else "no complete checkpoint to resume from")
     budget = (f"the restart budget is used up ({done} of --max-restarts {limit} done)"

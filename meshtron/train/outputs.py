@@ -34,7 +34,7 @@ def check_run_dir(cfg: RunConfig, overwrite: bool) -> None:
     where = f"train.run_dir={cfg.train.run_dir!r}"
     if path.exists() and not path.is_dir():
         raise UserError(f"{where}: is a file; give a folder (created if missing)")
-    held = [name for name in RUN_MARKERS if (path / name).exists()]
+    held = [name for name in RUN_MARKERS if _holds(path / name)]
     if held and not overwrite:
         raise UserError(f"{where}: holds a run ({held[0]}); pass --overwrite to replace it "
                         "or choose another --run-dir")
@@ -43,6 +43,16 @@ def check_run_dir(cfg: RunConfig, overwrite: bool) -> None:
     if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("train.tensorboard=true: the tensorboard package is not installed "
                         "(pip install tensorboard, or meshtron[tensorboard])")
+
+
+def _holds(marker: Path) -> bool:
+    """`marker` says the folder holds a run; an empty `checkpoints` folder does not (a link or
+    mount point made ready for the run's checkpoints: store.holds_checkpoints)."""
+    if marker.name == "checkpoints":
+        from meshtron.checkpoint.store import holds_checkpoints
+
+        return holds_checkpoints(marker)
+    return marker.exists()
 
 
 def _refuse_wrong_kinds(path: Path, where: str, overwrite: bool) -> None:

@@ -42,7 +42,7 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
 
     from meshtron.checkpoint import EXIT_PREEMPTED, EXIT_STORAGE
     from meshtron.checkpoint.checkpointer import Preempted
-    from meshtron.checkpoint.restart import cause_text, storage_error
+    from meshtron.checkpoint.restart import brief_cause, cause_text, storage_error
 
     try:
         doctor.prepare_env()
@@ -99,7 +99,7 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
         _dump(exc)
         _abort(world, f"failed: {exc}", 1)
     except BaseException as exc:  # noqa: BLE001 - a bug: its traceback, and no hung peers
-        _note(job, world, cause_text(exc))
+        _note(job, world, cause_text(exc), brief=brief_cause(exc))
         _dump(exc, cause_text(exc))
         if storage_error(exc):  # a restart would meet it again: EXIT_STORAGE is not retried
             _end_restarts(job.cfg.train.run_dir, EXIT_STORAGE)
@@ -199,18 +199,20 @@ def _attempt(job: TrainJob, world: World) -> int:
     to a folder of their own: doctor.trace_dir); 0 otherwise (elastic agents count their
     restarts each on its own)."""
     if _restarted_by_torchrun(job, world):
-        from meshtron.checkpoint.restart import attempt
+        from meshtron.checkpoint.restart import attempt, open_notes
 
+        open_notes(job.cfg.train.run_dir)  # while the disk has room for a folder
         return attempt()
     return 0
 
 
-def _note(job: TrainJob, world: World, cause: str, kind: str = "exception") -> None:
+def _note(job: TrainJob, world: World, cause: str, kind: str = "exception",
+          brief: str | None = None) -> None:
     """Leave the cause for the restarted attempt's `restart` record (meshtron.checkpoint)."""
     if job.checkpoint.max_restarts > 0 or _restarted_by_torchrun(job, world):
         from meshtron.checkpoint.restart import note_failure
 
-        note_failure(job.cfg.train.run_dir, world.rank, cause, kind)
+        note_failure(job.cfg.train.run_dir, world.rank, cause, kind, brief)
 
 
 def _dump(exc: BaseException, cause: str | None = None) -> None:
