@@ -29,6 +29,7 @@ from torch import nn
 
 from meshtron.errors import UserError
 from meshtron.model.init import clean_name
+from meshtron.model.loss import release_anchors
 from meshtron.parallel.context import shard_batch
 from meshtron.parallel.data_parallel import set_microbatch_policy
 from meshtron.parallel.mesh import data_mesh
@@ -202,6 +203,9 @@ class ParallelModel:
         with self._loss_context():
             if self.is_pipelined:
                 sched = self._schedule(n_micro)
+                for part in self.model_parts:  # the last step's zero-bubble loss nodes
+                    if part.output is not None:
+                        release_anchors(part.output)
                 run = sched.step if backward else sched.eval
                 losses: list[torch.Tensor] = []
                 args = (inputs,) if self.has_first_stage else ()
