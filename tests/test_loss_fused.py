@@ -355,3 +355,33 @@ def test_zero_bubble_split_backward_gets_each_gradient_once():
     assert torch.equal(head.weight.grad, 2 * want[1] * 2)
     with pytest.raises(RuntimeError, match="backward through it runs once"):
         loss.backward()
+
+
+def test_zero_bubble_loss_node_outlives_the_detached_stage_output():
+    """The zero-bubble schedule detaches the last stage's output (the loss, as the stage
+    returned it: parallel_model.py `stage_loss`) after the input pass and runs the weight pass
+    later from the loss node. An autograd.Function's node is held only weakly by its Python
+    object: torch 2.11 freed it with the detached output, and the weight pass raised
+    "Attribute '_input_metadata' is invalid" (`meshtron train --nproc 2 --plan pp=2`, the
+    planner's zb, on torch 2.11.0; the test above fails there without the anchor). The stage
+    returns a copy; the Function's own output, kept on the head, owns the node until the
+    next step releases it."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from meshtron.model.loss import release_anchors
+
+    head, h, t = _data(bias=True)
+    want = torch.autograd.grad(chunked_cross_entropy(head, h * 1.0, t, chunk=8),
+                               [h, head.weight, head.bias])
+    head.split_backward = True
+    loss = chunked_cross_entropy(head, h * 1.0, t, chunk=8)
+    fused = loss.grad_fn.next_functions[0][0]  # the Function's node, behind the copy
+    assert type(fused).__name__ == "_FusedLinearCrossEntropyBackward"
+    (got_h,), groups = stage_backward_input([loss], None, [h], head.parameters())
+    assert loss.grad_fn is None  # detached by torch; the node lives on in the anchor
+    assert [a.grad_fn for a in head.loss_anchors] == [fused]
+    stage_backward_weight(head.parameters(), groups)
+    for a, b in zip((got_h, head.weight.grad, head.bias.grad), want):
+        assert torch.equal(a, b)
+    release_anchors(head)
+    assert "loss_anchors" not in head.__dict__

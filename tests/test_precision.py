@@ -92,3 +92,37 @@ def test_bf16_compute_is_fsdp2_mixed_precision():
     assert all(q.grad is None for q in mp.model.parameters())
     for p, g in zip(model.parameters(), want):
         assert p.grad.dtype == torch.float32 and torch.equal(p.grad, g)
+
+
+@pytest.fixture
+def _matmul_precision_restored():
+    """The settings below are process-wide: back to torch's defaults afterwards (the new API
+    "none", the legacy one "highest": the pair a fresh process has)."""
+    import torch
+
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.fp32_precision = "none"
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_fp32_on_cuda_turns_tf32_on_in_both_of_torchs_apis(_matmul_precision_restored):
+    """An fp32 run on CUDA (the device injected: the setting needs no GPU) turns TF32 matmuls
+    on so that torch's legacy getters agree with its new API. Set through the new API alone
+    (`matmul.fp32_precision = "tf32"`), torch 2.11-2.13 raise "mix of the legacy and new
+    APIs" from every later `torch.get_float32_matmul_precision()` and
+    `torch.backends.cuda.matmul.allow_tf32` read: inductor's autotuning (max-autotune),
+    TunableOp's float GEMMs and a Python-API user's own code read them."""
+    import torch
+
+    from meshtron.train.precision import configure_matmul_precision
+
+    configure_matmul_precision(torch.device("cpu"), "fp32")  # the CPU: nothing set
+    assert torch.backends.cuda.matmul.fp32_precision == "none"
+    configure_matmul_precision(torch.device("cuda", 0), "bf16")  # bf16: nothing either
+    assert torch.backends.cuda.matmul.fp32_precision == "none"
+    configure_matmul_precision(torch.device("cuda", 0), "fp32")
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert torch.backends.cuda.matmul.allow_tf32 is True
+    assert torch.get_float32_matmul_precision() == "high"
+    assert torch.backends.mkldnn.matmul.fp32_precision == "none"  # the CPU's matmuls untouched

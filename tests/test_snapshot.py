@@ -106,10 +106,13 @@ def _restore_rank(run_dir, shm):
     plan, _ = resolve_run_plan(cfg, request, world.world_size)
     engine, data, state = _engine(cfg, plan)
     snaps = Snapshots(2, 1, state, engine, data, run_dir)
+    assert snaps.streams is None  # the CPU: copies need no ordering
+    snaps.streams = RecordingStreams()  # the CUDA branch, its stream calls recorded
     for _ in range(2):
         engine.train_step(*data.next_batch())
     snaps.take(2)
     snaps.wait()
+    order = snaps.streams.calls
     saved = (_tensors(state), data.state_dict(), engine.scheduler.last_epoch,
              torch.get_rng_state())
     for _ in range(2):  # the live state moves on; the snapshot must not
@@ -140,12 +143,59 @@ def _restore_rank(run_dir, shm):
     dist.barrier()
     out.append(again.restore(disk_step=None))
     again.close(finished=True)
-    return out
+    return out + [order]
+
+
+class RecordingStreams:
+    """The slice of `torch.cuda`'s stream API a snapshot uses (issue 31: its CUDA branch never
+    ran on CPU), recording each call with its thread; the CPU tensors are copied for real."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+
+    def _log(self, what: str) -> None:
+        import threading
+
+        self.calls.append((what, threading.current_thread().name))
+
+    def current_stream(self):
+        return "compute"
+
+    def Stream(self):
+        log = self._log
+
+        class CopyStream:
+            def wait_stream(self, other):
+                log(f"copy waits for {other}")
+
+            def synchronize(self):
+                log("synchronize")
+
+        log("new stream")
+        return CopyStream()
+
+    def stream(self, s):
+        log = self._log
+
+        class Ctx:
+            def __enter__(self):
+                log("enter copy stream")
+
+            def __exit__(self, *exc):
+                log("leave copy stream")
+
+        return Ctx()
 
 
 def test_restore_bit_identical_also_from_the_peer_copy(tmp_path):
     got = run_on_ranks(_restore_rank, 2, tmp_path / "run", tmp_path / "shm", timeout=300)
-    for step, restored, newer_disk, nothing in got:
+    for *_, order in got:  # on CUDA: ordered after the step's kernels, off the training thread
+        assert [w for w, _ in order] == ["new stream", "copy waits for compute",
+                                         "enter copy stream", "leave copy stream",
+                                         "synchronize"]
+        assert order[0][1] == order[1][1] == "MainThread"
+        assert all(t.startswith("meshtron-snapshot") for _, t in order[2:])
+    for step, restored, newer_disk, nothing, _ in got:
         assert step == 2 and newer_disk is None and nothing is None
         assert restored["restored_from"] == "memory" and restored["from_peer"] == [1]
         assert restored["presized_optimizer"]  # no zero-lr optimizer step for the template

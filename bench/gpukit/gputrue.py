@@ -357,6 +357,11 @@ TORCH_TESTS = ["tests/test_torch_compat.py", "tests/test_device_init.py", "tests
                "tests/test_staging.py", "tests/test_rng_state.py", "tests/test_recompute_ops.py",
                "tests/test_device_cluster.py", "tests/test_cp_sdpa_cuda_calls.py",
                "tests/test_pipeline_inference_names.py", "tests/test_window_compiled.py",
+               "tests/test_loss_fused.py::test_zero_bubble_split_backward_gets_each_gradient_once",
+               "tests/test_loss_fused.py::test_zero_bubble_loss_node_outlives_the_detached_stage_"
+               "output",
+               "tests/test_context_parallel.py::test_flash_chunks_trace_under_fullgraph_compile",
+               "tests/test_launcher.py::test_torchrun_argv_parses_with_torchruns_own_parser",
                "tests/test_context_parallel.py::test_without_documents_each_chunk_runs_the_"
                "flash_kernels_without_a_mask"]
 

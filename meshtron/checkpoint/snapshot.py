@@ -125,6 +125,9 @@ class Snapshots:
         self.run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         self.group = dist.new_group(backend="gloo")  # this thread's own (shared notes)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="meshtron-snapshot")
+        self.streams = staging.device_streams()
+        """The device's stream API the copy is ordered with (`torch.cuda`; None on the CPU,
+        where copies need no ordering); replaced by tests to check the CUDA order on a CPU."""
         self._staging: Future | None = None
         self._inflight: Future | None = None
         self.bytes_per_rank: list[dict[str, int]] | None = None
@@ -171,9 +174,9 @@ class Snapshots:
         slot = self.lay.slot(self.root, "own", self.lay.rank, (step // self.every) % SLOTS)
         files.invalidate(slot)
         stream = None
-        if torch.cuda.is_available():  # copy on a side stream, after the step's kernels
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
+        if self.streams is not None:  # copy on a side stream, after the step's kernels
+            stream = self.streams.Stream()
+            stream.wait_stream(self.streams.current_stream())
         self._staging = self._executor.submit(self._stage, slot, meta, tensors, stream)
         self._inflight = self._executor.submit(self._exchange, slot, meta)
         stall = time.perf_counter() - t0
@@ -206,7 +209,7 @@ class Snapshots:
                stream: Any) -> None:
         buf = _mapped(slot / DATA, meta["bytes"], create=True)
         with torch.no_grad():
-            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            with self.streams.stream(stream) if stream is not None else nullcontext():
                 for (_, dtype, shape, offset), t in zip(meta["entries"], tensors):
                     _view(buf, dtype, shape, offset).copy_(t)
             if stream is not None:

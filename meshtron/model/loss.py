@@ -186,11 +186,32 @@ def chunked_cross_entropy(head: nn.Module, h: torch.Tensor, targets: torch.Tenso
     needs = (flat_h.requires_grad or weight.requires_grad
              or (bias is not None and bias.requires_grad))
     if torch.is_grad_enabled() and needs:
-        passes = 2 if getattr(head, "split_backward", False) else 1
-        return _FusedLinearCrossEntropy.apply(flat_h, weight, bias, flat_t, chunk, dtype, passes)
+        if not getattr(head, "split_backward", False):
+            return _FusedLinearCrossEntropy.apply(flat_h, weight, bias, flat_t, chunk, dtype, 1)
+        return _anchored(head, _FusedLinearCrossEntropy.apply(flat_h, weight, bias, flat_t,
+                                                              chunk, dtype, 2))
     with torch.autocast(kind, enabled=False):
         b = None if bias is None else bias.to(dtype)
         return _walk(flat_h.to(dtype), weight.to(dtype), b, flat_t, chunk, None)
+
+
+def _anchored(head: nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """A zero-bubble schedule's loss: a copy of the fused loss, whose own output stays on
+    `head` (`loss_anchors`) until `release_anchors`. The schedule detaches the stage's output
+    after the input backward and runs the weight backward later from the loss node it kept
+    (torch/distributed/pipelining/_backward.py `stage_backward_input`, `t.detach_()`); an
+    autograd.Function's node is held only weakly by its Python object, and torch 2.11 frees
+    it with the detached output, so the weight pass raised "Attribute '_input_metadata' is
+    invalid for this instance of _C._FunctionBase" (2.13 keeps it). The copy is what gets
+    detached; the anchored output keeps the node (its saved tensors go after the second pass,
+    as always). A copy, not a view: the schedule's in-place detach refuses views."""
+    head.__dict__.setdefault("loss_anchors", []).append(loss)
+    return loss.clone()
+
+
+def release_anchors(head: nn.Module) -> None:
+    """Drop the fused-loss outputs `_anchored` kept (a step's weight passes have all run)."""
+    head.__dict__.pop("loss_anchors", None)
 
 
 class OutputHead(nn.Linear):

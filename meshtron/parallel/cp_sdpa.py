@@ -131,7 +131,12 @@ class _ChunkAttention(torch.autograd.Function):
             parts.append((o, lse))
             saved.append(extra)
         out, lse = merge(parts)
-        out = out.to(q.dtype)
+        if out.dtype != q.dtype:
+            # Never a no-op `.to` (fp32 inputs: it returns its input): under torch.compile,
+            # torch 2.11's dynamo then gave wrong q/k/v gradients (the returned output an
+            # alias of the forward's own result; tests/test_context_parallel.py
+            # `test_flash_chunks_trace_under_fullgraph_compile`; 2.13 did not).
+            out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.chunk, ctx.kernel, ctx.scale, ctx.extras = chunk, kernel, scale, saved
         return out

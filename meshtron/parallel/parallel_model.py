@@ -29,6 +29,7 @@ from torch import nn
 
 from meshtron.errors import UserError
 from meshtron.model.init import clean_name
+from meshtron.model.loss import release_anchors
 from meshtron.parallel.context import shard_batch
 from meshtron.parallel.data_parallel import set_microbatch_policy
 from meshtron.parallel.mesh import data_mesh
@@ -194,6 +195,13 @@ class ParallelModel:
             inputs, targets = shard.tokens, shard.targets
         inputs = batch_to_device(inputs, self.device)  # no host wait (meshtron/runtime.py)
         targets = batch_to_device(targets, self.device)
+        if self.is_pipelined:
+            # torch 2.11's first stage checks each micro-batch's strides against the
+            # contiguous ones it inferred at the first step (pipelining/stage.py
+            # `_validate_fwd_input`): a slice of a [batch, seq + 1] token buffer, strides
+            # (seq + 1, 1), raised PipeliningShapeError there (tests/test_parallel.py; 2.13
+            # took it). No copy when contiguous already, as meshtron's own data is.
+            inputs, targets = inputs.contiguous(), targets.contiguous()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         # MoE auxiliary losses weighted like their micro-batch's loss (1/M; the pipeline
         # schedules scale every gradient by 1/M themselves), as one process does.
@@ -202,6 +210,9 @@ class ParallelModel:
         with self._loss_context():
             if self.is_pipelined:
                 sched = self._schedule(n_micro)
+                for part in self.model_parts:  # the last step's zero-bubble loss nodes
+                    if part.output is not None:
+                        release_anchors(part.output)
                 run = sched.step if backward else sched.eval
                 losses: list[torch.Tensor] = []
                 args = (inputs,) if self.has_first_stage else ()

@@ -24,10 +24,17 @@ from torch import nn
 def configure_matmul_precision(device: torch.device, dtype: str) -> None:
     """fp32 runs on CUDA use TF32 tensor cores for matmuls and convolutions (10-bit mantissa
     products, fp32 accumulation: PyTorch's "high" precision), as torchtitan and Megatron-LM do;
-    bf16 runs are unaffected. CPU: nothing to set."""
+    bf16 runs are unaffected. CPU: nothing to set.
+
+    Through `matmul.allow_tf32`, whose setter writes torch's new setting (`fp32_precision`
+    "tf32") and its legacy one ("high") together: the new one alone leaves them disagreeing,
+    and torch 2.11-2.13 then raise "mix of the legacy and new APIs" from every later legacy
+    read (`torch.get_float32_matmul_precision()`, `matmul.allow_tf32`: inductor's
+    autotuning, TunableOp, a user's own code). `set_float32_matmul_precision("high")` would
+    agree too, but also turns oneDNN's CPU matmuls to TF32."""
     if device.type != "cuda" or dtype != "fp32":
         return
-    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.conv.fp32_precision = "tf32"
 
 
