@@ -34,7 +34,8 @@ against the 112 its seven one-layer chunks hold) and under-charged the last (99 
 from __future__ import annotations
 
 from functools import lru_cache
-from itertools import accumulate, compress
+from itertools import accumulate, chain, compress
+from operator import add
 
 from meshtron.planner.pipeline import stages_of_rank
 
@@ -113,6 +114,16 @@ def _held_steps(p: int, v: int, m: int, s: int, extra: int) -> tuple[tuple[int, 
         steps.append(2 * v + cb)
         checked.append(False)
     return tuple(steps), tuple(checked)
+
+
+@lru_cache(maxsize=1024)
+def _freeing(p: int, v: int, m: int, s: int, extra: int) -> tuple[tuple[bool, ...],
+                                                                   tuple[int, ...]]:
+    """Of `_held_steps(p, v, m, s, extra)`: per running sum (the initial 0 first), whether
+    a freeing step follows it, and those steps' forward-order chunks."""
+    steps, _ = _held_steps(p, v, m, s, extra)
+    before = tuple(x >= 2 * v for x in steps) + (False,)
+    return before, tuple(x - 2 * v for x in steps if x >= 2 * v)
 
 
 @lru_cache(maxsize=1024)
@@ -396,25 +407,14 @@ def backward_work(p: int, v: int, m: int, s: int, layers: list[int], works: list
     gradients are accumulated, in the 3-layer chunk's backward (7.41 GiB, and 7.43 in the
     forward before it), where the planner had priced the 4-layer chunk's recomputed block
     (7.757, +4.4%)."""
-    per_round = m // max(1, m // p)
-    total = m * v
-    warm = min((v - 1) * per_round + 2 * (p - 1 - s) + extra, total)
-    visits = _visits(p, v, m)
-    stored = [act * n + (odd if n % 2 else 0.0) for n in layers]  # `held_bytes`' walk
-    freed, grads, work = stored[::-1], [grad * n for n in layers[::-1]], works[::-1]
-    accumulated = [False] * v
-    now = best = top = 0.0
-    for c in visits[:warm]:
-        now += stored[c]
-        best = max(best, now)
-    for c, cb in zip(visits[warm:] + [-1] * warm, visits):
-        if c >= 0:
-            now += stored[c]
-            best = max(best, now)
-        if not accumulated[cb]:
-            accumulated[cb] = True
-            now += grads[cb]
-            best = max(best, now)
-        top = max(top, now + work[cb])  # the backward of chunk v - 1 - cb, at its fullest
-        now -= freed[cb]
+    # `held_bytes`' running sums (the same steps and table), read before each freeing step:
+    # the backward then holds its chunk's gradients, not yet its freed activations
+    steps, checked = _held_steps(p, v, m, s, extra)
+    before, chunks = _freeing(p, v, m, s, extra)
+    stored = [act * n + (odd if n % 2 else 0.0) for n in layers]
+    table = stored + [grad * n for n in layers[::-1]] + [-x for x in stored[::-1]]
+    now = list(accumulate(map(table.__getitem__, steps), initial=0.0))
+    best = max(compress(now, checked))
+    work = works[::-1]  # the backward of chunk v - 1 - cb, at its fullest
+    top = max(chain((0.0,), map(add, compress(now, before), map(work.__getitem__, chunks))))
     return min(max(top - best, min(works)), max(works))
