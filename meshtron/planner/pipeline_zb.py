@@ -365,8 +365,10 @@ def _settled_idle(p: int, v: int, m: int, per: tuple, worst: float) -> float:
     """Idle of the walk of torch's order with per-stage times `per` beyond m times the
     slowest rank's work `worst` (`stage_bubble`'s docstring: how many micro-batches)."""
 
+    key = tuple(tuple(x) for x in per)
+
     def idle(runs: int) -> float:
-        return walk(p, v, runs, *per) - runs * worst
+        return _zb_walk(p, v, runs, key) - runs * worst
 
     if v >= 3:
         return max(0.0, idle(m))
@@ -394,6 +396,13 @@ def interleaved_bubble(m: int, f: tuple[float, ...], b: tuple[float, ...], p: in
     # whole rounds of p: the idle settles once the slowest rank's slack has (as
     # `_settled_idle`); every shorter walk keeps rounds of p
     return _until_settled(idle, 2 * p, m, p, worst)
+
+
+@lru_cache(maxsize=8192)
+def _zb_walk(p: int, v: int, runs: int, per: tuple[tuple[float, ...], ...]) -> float:
+    """`walk` of torch's 'zb' order over `runs` micro-batches with per-stage times `per`
+    (f, b, w), memoised apart from `_settled_idle`'s m, as `_interleaved_walk` (session 48)."""
+    return walk(p, v, runs, *(list(x) for x in per))
 
 
 @lru_cache(maxsize=8192)
