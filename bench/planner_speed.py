@@ -12,6 +12,12 @@ then the same for COMMANDS: an open search (70B on 512 GPUs) and a pinned 405B l
 not fit (priced, plus the searches for the cheapest change that fits: planner/pinned.py).
 
     python bench/planner_speed.py [--startup]     # --startup: only the whole-command tables
+    python bench/planner_speed.py --vs OLD [--sweep]  # CPU of VERSUS in this tree and OLD's
+
+--vs OLD: the CPU of each command in VERSUS (the 405B plan on 2,048 GPUs the audits time, a
+DeepSeek-V3 plan on 256 GPUs; with --sweep also the 512..131,072-GPU simulate sweep, ~150 s a
+run before session 48) run in a fresh interpreter from OLD (a checkout or `git archive` of
+another commit) and from this tree, alternately, best of 2, as a ratio old / new.
 
 Before/after a change, run both trees side by side with farm-bench (pairs A B A B ...):
     farm-bench -n 3 --vs "sh -c 'cd OLD && PYTHONPATH=OLD exec python bench/planner_speed.py'" \
@@ -21,9 +27,11 @@ Before/after a change, run both trees side by side with farm-bench (pairs A B A 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,16 +100,60 @@ def time_command(repeats: int = 5, argv: list[str] = HEADLINE) -> tuple[float, f
     return best
 
 
+VERSUS = {
+    "plan 405B, 2,048 GPUs": ["plan", "--model", "llama3-405b", "--cluster", "dgx-h100:256",
+                              "--global-batch", "2048", "--seq-len", "8192", "--top", "1"],
+    "plan DeepSeek-V3, 256 GPUs": ["plan", "--model", "deepseek-v3", "--cluster", "dgx-h100:32",
+                                   "--global-batch", "1024", "--seq-len", "4096", "--top", "1"],
+}
+SWEEP = ["simulate", "--model", "llama3-405b", "--gpus", "512..131072", "--global-batch",
+         "2048", "--seq-len", "8192", "--batch-growth", "16384"]
+
+
+def command_cpu(tree: Path, argv: list[str]) -> float:
+    """CPU seconds (user + system, the child's rusage) of `meshtron argv` run from `tree`."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with tempfile.TemporaryDirectory() as out:
+        argv = [a.replace("{out}", out) for a in argv]
+        subprocess.run([sys.executable, "-c", "import sys; from meshtron.cli import main; "
+                        "sys.exit(main(sys.argv[1:]))", *argv], cwd=tree, check=True,
+                       env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def versus(old: Path, sweep: bool, repeats: int = 2) -> None:
+    """Old tree against this one, command by command (alternating runs, best of `repeats`)."""
+    new = Path(__file__).resolve().parent.parent
+    cases = dict(VERSUS, **({"simulate sweep 512..131,072": SWEEP + ["--out", "{out}"]}
+                            if sweep else {}))
+    print(f"{'command':<30} {'old cpu s':>10} {'new cpu s':>10} {'old / new':>10}")
+    for name, argv in cases.items():
+        best = {old: float("inf"), new: float("inf")}
+        for _ in range(repeats):
+            for tree in (old, new):
+                best[tree] = min(best[tree], command_cpu(tree, argv))
+        print(f"{name:<30} {best[old]:>10.2f} {best[new]:>10.2f} "
+              f"{best[old] / best[new]:>10.2f}")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--startup", action="store_true",
                    help="time only the whole `meshtron plan` commands, not the search table")
+    p.add_argument("--vs", type=Path, metavar="OLD",
+                   help="only the side-by-side CPU of VERSUS in OLD's tree and this one")
+    p.add_argument("--sweep", action="store_true", help="with --vs: the simulate sweep too")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
-    if not parse_args(argv).startup:
+    args = parse_args(argv)
+    if args.vs:
+        versus(args.vs.resolve(), args.sweep)
+        return 0
+    if not args.startup:
         search_table()
     wall, cpu, modules = time_command()
     print(f"\nmeshtron plan, 405B on 16,384 GPUs, whole command: {wall:.3f} s wall, {cpu:.3f} s "

@@ -237,7 +237,7 @@ def test_backward_work_is_the_backward_with_the_peak():
         got = memory_pipeline.backward_work(p, v, m, s, layers, works, act, grad, 0, odd)
         want = _reference_work(p, v, m, s, layers, works, act, grad, odd)
         assert min(works) <= got <= max(works)
-        assert got == pytest.approx(min(max(want, min(works)), max(works)))
+        assert got == min(max(want, min(works)), max(works))  # to the bit: session 48
 
 
 def _half_rank(layers: int, rank: int, recompute: str = "half"):

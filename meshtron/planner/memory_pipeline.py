@@ -33,6 +33,10 @@ against the 112 its seven one-layer chunks hold) and under-charged the last (99 
 
 from __future__ import annotations
 
+from functools import lru_cache
+from itertools import accumulate, chain, compress
+from operator import add
+
 from meshtron.planner.pipeline import stages_of_rank
 
 
@@ -53,35 +57,17 @@ def held_bytes(p: int, v: int, m: int, s: int, layers: list[int], act: float = 1
     `s` holds at once under interleaved 1F1B; `layers[c]`: the layers of its c-th chunk
     (virtual stage c p + s). With `grad` 0: layer-micro-batches held. `extra`: warm-up
     forwards beyond the schedule's own (`a2a_overlap_in_flight`); `odd`: bytes per
-    micro-batch a chunk of an odd layer count holds beyond `act` per layer (`half_odd_bytes`)."""
-    per_round = m // max(1, m // p)
-    total = m * v
-    warm = min((v - 1) * per_round + 2 * (p - 1 - s) + extra, total)
-    visits = _visits(p, v, m)
-    # per chunk, what its forward adds; per forward-order chunk c, what the backward of chunk
-    # v - 1 - c frees and (the first time) accumulates: the walk's products, formed once
+    micro-batch a chunk of an odd layer count holds beyond `act` per layer (`half_odd_bytes`).
+    The walk (forward k, then backward k - warm; then the drain), its steps' order cached per (p, v, m, s, extra)
+    (`_held_steps`) and summed by itertools.accumulate: the same additions in the same order
+    (x - y is x + (-y) in IEEE 754), so the same bits, without a Python step per operation
+    (the search walks every rank of every interleaved plan: session 48)."""
+    steps, checked = _held_steps(p, v, m, s, extra)
     stored = [act * n + (odd if n % 2 else 0.0) for n in layers]
-    freed = stored[::-1]
-    grads = [grad * n for n in layers[::-1]]
-    accumulated = [False] * v
-    now = best = 0.0
-    for c in visits[:warm]:  # the warm-up: forwards only
-        now += stored[c]
-        if now > best:
-            best = now
-    # forward k, then backward k - warm; then the drain: backwards only
-    for c, cb in zip(visits[warm:] + [-1] * warm, visits):
-        if c >= 0:
-            now += stored[c]
-            if now > best:
-                best = now
-        if not accumulated[cb]:  # its first backward makes the chunk's gradients
-            accumulated[cb] = True
-            now += grads[cb]
-            if now > best:
-                best = now
-        now -= freed[cb]
-    return best
+    # indexed as `_held_steps` numbers them: forward c, first backward's gradients, freed
+    table = stored + [grad * n for n in layers[::-1]] + [-x for x in stored[::-1]]
+    now = accumulate(map(table.__getitem__, steps), initial=0.0)
+    return max(compress(now, checked))
 
 
 def peak_outputs(p: int, v: int, m: int, s: int, layers: list[int], act: float, grad: float,
@@ -90,55 +76,92 @@ def peak_outputs(p: int, v: int, m: int, s: int, layers: list[int], act: float, 
     activations (`act` per layer and micro-batch), accumulated gradients (`grad` per layer)
     and the outputs themselves (`out` bytes each) are largest together under interleaved 1F1B
     (the walk of `held_bytes`): with few micro-batches per stage the peak comes late, when
-    few are in flight, not at the most chunk-micro-batches of the even spread."""
-    per_round = m // max(1, m // p)
-    total = m * v
-    warm = min((v - 1) * per_round + 2 * (p - 1 - s), total)
-    visits = _visits(p, v, m)
-    sends = [c * p + s != p * v - 1 for c in range(v)]  # the last virtual stage sends none
-    # per chunk, the steps' deltas (the same expressions, formed once); the backward's
-    # indexed by the forward-order chunk c of backward b (its chunk: v - 1 - c)
-    held = [act * n + (odd if n % 2 else 0.0) for n in layers]  # `held_bytes`' `stored`
-    fwd = [held[c] + (out if sends[c] else 0.0) for c in range(v)]
-    fwd_outs = [1 if x else 0 for x in sends]
+    few are in flight, not at the most chunk-micro-batches of the even spread. The walk's first
+    strict maximum (tests/test_memory_pipeline_walk.py: equal to a step-by-step walk's), the steps cached (`_output_steps`) and
+    summed by itertools.accumulate in the same order: the same bits."""
+    steps, outs = _output_steps(p, v, m, s)
+    sends = [c * p + s != p * v - 1 for c in range(v)]
+    held = [act * n + (odd if n % 2 else 0.0) for n in layers]
     back = [v - 1 - c for c in range(v)]
-    freed = [-held[c] - 2.0 * out if sends[c] else -held[c] for c in back]
     grads = [grad * layers[c] for c in back]
-    bsends = [sends[c] for c in back]
+    # indexed as `_output_steps` numbers them (the loop's own expressions, formed once)
+    table = ([held[c] + (out if sends[c] else 0.0) for c in range(v)]
+             + [g + out for g in grads] + [0.0 + out] + grads + [0.0]
+             + [-held[c] - 2.0 * out if sends[c] else -held[c] for c in back])
+    now = list(accumulate(map(table.__getitem__, steps), initial=0.0))
+    return float(outs[now.index(max(now))])
+
+
+@lru_cache(maxsize=1024)
+def _held_steps(p: int, v: int, m: int, s: int, extra: int) -> tuple[tuple[int, ...],
+                                                                      tuple[bool, ...]]:
+    """The walk's additions in order, as indices into `held_bytes`' table (forward
+    of chunk c: c; the first backward of forward-order chunk c: v + c; its freeing: 2 v + c),
+    and per running sum (the initial 0 first) whether the loop compares it with its best."""
+    per_round = m // max(1, m // p)
+    warm = min((v - 1) * per_round + 2 * (p - 1 - s) + extra, m * v)
+    visits = _visits(p, v, m)
+    steps, checked = list(visits[:warm]), [True] * (1 + len(visits[:warm]))
     accumulated = [False] * v
-    now = best = 0.0
-    outs = best_outs = 0
-    for c in visits[:warm]:  # the warm-up: forwards only
-        now += fwd[c]
-        outs += fwd_outs[c]
-        if now > best:
-            best, best_outs = now, outs
-    # forward k, then backward k - warm (its received gradient beside it while it runs);
-    # then the drain: backwards only
     for c, cb in zip(visits[warm:] + [-1] * warm, visits):
         if c >= 0:
-            now += fwd[c]
-            outs += fwd_outs[c]
-            if now > best:
-                best, best_outs = now, outs
-        extra = 0.0
+            steps.append(c)
+            checked.append(True)
         if not accumulated[cb]:
             accumulated[cb] = True
-            extra = grads[cb]
+            steps.append(v + cb)
+            checked.append(True)
+        steps.append(2 * v + cb)
+        checked.append(False)
+    return tuple(steps), tuple(checked)
+
+
+@lru_cache(maxsize=1024)
+def _freeing(p: int, v: int, m: int, s: int, extra: int) -> tuple[tuple[bool, ...],
+                                                                   tuple[int, ...]]:
+    """Of `_held_steps(p, v, m, s, extra)`: per running sum (the initial 0 first), whether
+    a freeing step follows it, and those steps' forward-order chunks."""
+    steps, _ = _held_steps(p, v, m, s, extra)
+    before = tuple(x >= 2 * v for x in steps) + (False,)
+    return before, tuple(x - 2 * v for x in steps if x >= 2 * v)
+
+
+@lru_cache(maxsize=1024)
+def _output_steps(p: int, v: int, m: int, s: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The walk's additions in order, as indices into `peak_outputs`' table
+    (forward of chunk c: c; backward of forward-order chunk c sending, its first: v + c, a
+    later one: 2 v; not sending, its first: 2 v + 1 + c, a later one: 3 v + 1; its freeing:
+    3 v + 2 + c), and per running sum (the initial 0 first) the outputs held then; every sum
+    is compared with the best, as the loop does."""
+    per_round = m // max(1, m // p)
+    warm = min((v - 1) * per_round + 2 * (p - 1 - s), m * v)
+    visits = _visits(p, v, m)
+    sends = [c * p + s != p * v - 1 for c in range(v)]
+    bsends = [sends[v - 1 - c] for c in range(v)]
+    steps: list[int] = []
+    outs, held = [0], 0
+    for c in visits[:warm]:
+        steps.append(c)
+        held += sends[c]
+        outs.append(held)
+    accumulated = [False] * v
+    for c, cb in zip(visits[warm:] + [-1] * warm, visits):
+        if c >= 0:
+            steps.append(c)
+            held += sends[c]
+            outs.append(held)
+        first = not accumulated[cb]
+        accumulated[cb] = True
         if bsends[cb]:
-            now += extra + out
-            outs += 1
-            if now > best:
-                best, best_outs = now, outs
-            outs -= 2
+            steps.append(v + cb if first else 2 * v)
+            outs.append(held + 1)
+            held -= 1
         else:
-            now += extra
-            if now > best:
-                best, best_outs = now, outs
-        now += freed[cb]
-        if now > best:
-            best, best_outs = now, outs
-    return float(best_outs)
+            steps.append(2 * v + 1 + cb if first else 3 * v + 1)
+            outs.append(held)
+        steps.append(3 * v + 2 + cb)
+        outs.append(held)
+    return tuple(steps), tuple(outs)
 
 
 def last_rank_moments(p: int, v: int, m: int, layers: list[int], act: float, grad: float,
@@ -384,25 +407,14 @@ def backward_work(p: int, v: int, m: int, s: int, layers: list[int], works: list
     gradients are accumulated, in the 3-layer chunk's backward (7.41 GiB, and 7.43 in the
     forward before it), where the planner had priced the 4-layer chunk's recomputed block
     (7.757, +4.4%)."""
-    per_round = m // max(1, m // p)
-    total = m * v
-    warm = min((v - 1) * per_round + 2 * (p - 1 - s) + extra, total)
-    visits = _visits(p, v, m)
-    stored = [act * n + (odd if n % 2 else 0.0) for n in layers]  # `held_bytes`' walk
-    freed, grads, work = stored[::-1], [grad * n for n in layers[::-1]], works[::-1]
-    accumulated = [False] * v
-    now = best = top = 0.0
-    for c in visits[:warm]:
-        now += stored[c]
-        best = max(best, now)
-    for c, cb in zip(visits[warm:] + [-1] * warm, visits):
-        if c >= 0:
-            now += stored[c]
-            best = max(best, now)
-        if not accumulated[cb]:
-            accumulated[cb] = True
-            now += grads[cb]
-            best = max(best, now)
-        top = max(top, now + work[cb])  # the backward of chunk v - 1 - cb, at its fullest
-        now -= freed[cb]
+    # `held_bytes`' running sums (the same steps and table), read before each freeing step:
+    # the backward then holds its chunk's gradients, not yet its freed activations
+    steps, checked = _held_steps(p, v, m, s, extra)
+    before, chunks = _freeing(p, v, m, s, extra)
+    stored = [act * n + (odd if n % 2 else 0.0) for n in layers]
+    table = stored + [grad * n for n in layers[::-1]] + [-x for x in stored[::-1]]
+    now = list(accumulate(map(table.__getitem__, steps), initial=0.0))
+    best = max(compress(now, checked))
+    work = works[::-1]  # the backward of chunk v - 1 - cb, at its fullest
+    top = max(chain((0.0,), map(add, compress(now, before), map(work.__getitem__, chunks))))
     return min(max(top - best, min(works)), max(works))

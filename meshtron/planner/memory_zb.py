@@ -53,6 +53,7 @@ and traced tensor by tensor on the V's middle rank, `meshtron rehearse`, 2026-12
 from __future__ import annotations
 
 from functools import lru_cache
+from operator import mul
 
 from meshtron.planner import pipeline_zb
 from meshtron.planner.zb_recompute import (
@@ -251,12 +252,15 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
                # B's working set in place of a whole backward's, at least none (the moments
                # were pruned for weights >= 0: `_undominated`)
                + [(0.0, max(0.0, work - block_work))])
+    # the same products summed in the same order as a generator over zip(vec, weights),
+    # by map in C (the search weighs every moment of every zb plan: session 48)
+    lay_w, oth_w = [x[0] for x in weights], [x[1] for x in weights]
     best = (0.0, float("-inf"))
     for group, less in ((moments, (loss if at_loss else 0.0) + unit),
                         (at_loss, saved + unit)):
         for vec in group:
-            lay = sum(k * x[0] for k, x in zip(vec, weights))
-            oth = sum(k * x[1] for k, x in zip(vec, weights)) - less
+            lay = sum(map(mul, vec, lay_w))
+            oth = sum(map(mul, vec, oth_w)) - less
             if lay + oth > sum(best):
                 best = (lay, oth)
     return best if best[1] > float("-inf") else (0.0, 0.0)

@@ -365,8 +365,10 @@ def _settled_idle(p: int, v: int, m: int, per: tuple, worst: float) -> float:
     """Idle of the walk of torch's order with per-stage times `per` beyond m times the
     slowest rank's work `worst` (`stage_bubble`'s docstring: how many micro-batches)."""
 
+    key = tuple(tuple(x) for x in per)
+
     def idle(runs: int) -> float:
-        return walk(p, v, runs, *per) - runs * worst
+        return _zb_walk(p, v, runs, key) - runs * worst
 
     if v >= 3:
         return max(0.0, idle(m))
@@ -385,16 +387,33 @@ def interleaved_bubble(m: int, f: tuple[float, ...], b: tuple[float, ...], p: in
     distinct chunk-time sets)."""
     v = len(f) // p
     worst = max(sum(f[s] + b[s] for s in range(r, p * v, p)) for r in range(p))
-    zero = [0.0] * (p * v)
 
     def idle(runs: int) -> float:
-        return walk(p, v, runs, list(f), list(b), zero, schedule="interleaved") - runs * worst
+        return _interleaved_walk(p, v, runs, f, b) - runs * worst
 
     if m % p or m < 3 * p:  # rounds of m // (m // p): walked whole
         return max(0.0, idle(m))
     # whole rounds of p: the idle settles once the slowest rank's slack has (as
     # `_settled_idle`); every shorter walk keeps rounds of p
     return _until_settled(idle, 2 * p, m, p, worst)
+
+
+@lru_cache(maxsize=8192)
+def _zb_walk(p: int, v: int, runs: int, per: tuple[tuple[float, ...], ...]) -> float:
+    """`walk` of torch's 'zb' order over `runs` micro-batches with per-stage times `per`
+    (f, b, w), memoised apart from `_settled_idle`'s m, as `_interleaved_walk` (session 48)."""
+    return walk(p, v, runs, *(list(x) for x in per))
+
+
+@lru_cache(maxsize=8192)
+def _interleaved_walk(p: int, v: int, runs: int, f: tuple[float, ...],
+                      b: tuple[float, ...]) -> float:
+    """`walk` of torch's interleaved 1F1B over `runs` micro-batches (no weight pass apart:
+    b the whole backward), memoised apart from `interleaved_bubble`'s m: its walks of 2p,
+    3p, ... micro-batches until the idle settles are the same for every m they stop below,
+    so plans of other data-parallel degrees (other m, same chunk times; the sweeps of
+    `meshtron simulate` search many) reuse them (session 48)."""
+    return walk(p, v, runs, list(f), list(b), [0.0] * (p * v), schedule="interleaved")
 
 
 def _until_settled(idle, runs: int, m: int, p: int, worst: float) -> float:

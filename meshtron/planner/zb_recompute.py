@@ -33,6 +33,7 @@ work after the block's last saved tensor, w2's GEMM and the residual add here).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 SPLIT_BACKWARD_SCHEDULES = ("zb",)
@@ -173,24 +174,33 @@ class WeightPass(NamedTuple):
         return self._peak(low) + (layers - low) * (self._peak(low + 1) - self._peak(low))
 
     def _peak(self, layers: int) -> float:
-        checked = [i for i in range(layers) if i % self.every == self.every - 1]
-        if not checked:
-            return 0.0
-        n = len(self.groups)
-        captured = sum(g.captured for g in self.groups)
-        params = sum(g.params for g in self.groups) or 1.0
-        # the blocks W has finished: every group's copy of a checkpointed one, captured
-        # gradients freed, weight gradients made; a stored block's tensors only W's nodes
-        # saved freed as they run (retain_graph=False)
-        stored = checked[-1] - (len(checked) - 1)
-        done = ((len(checked) - 1) * n * self.copy
-                + checked[-1] * (self.pending - captured)
-                - stored * sum(g.last_holder for g in self.groups))
-        best = 0.0
-        for j in range(n):  # the start of group j of the last checkpointed block
-            held = sum(g.last_holder for g in self.groups[j:])
-            ran = self.groups[:j]
-            part = (j * (self.copy + held) - sum(g.captured for g in ran)
-                    + self.pending * sum(g.params for g in ran) / params)
-            best = max(best, part)
-        return max(0.0, done + best)
+        return _weight_pass_peak(self, layers)
+
+
+# memoised: memory_zb.held weighs every zb stage of every plan the search meets, and plans
+# that differ in knobs W does not read (dp, the ZeRO stage, offload) ask the same peak; the
+# key is the whole WeightPass (every figure `_peak` reads) and the layer count (session 48)
+@lru_cache(maxsize=4096)
+def _weight_pass_peak(wp: WeightPass, layers: int) -> float:
+    """`WeightPass.peak` at a whole layer count."""
+    checked = [i for i in range(layers) if i % wp.every == wp.every - 1]
+    if not checked:
+        return 0.0
+    n = len(wp.groups)
+    captured = sum(g.captured for g in wp.groups)
+    params = sum(g.params for g in wp.groups) or 1.0
+    # the blocks W has finished: every group's copy of a checkpointed one, captured
+    # gradients freed, weight gradients made; a stored block's tensors only W's nodes
+    # saved freed as they run (retain_graph=False)
+    stored = checked[-1] - (len(checked) - 1)
+    done = ((len(checked) - 1) * n * wp.copy
+            + checked[-1] * (wp.pending - captured)
+            - stored * sum(g.last_holder for g in wp.groups))
+    best = 0.0
+    for j in range(n):  # the start of group j of the last checkpointed block
+        held = sum(g.last_holder for g in wp.groups[j:])
+        ran = wp.groups[:j]
+        part = (j * (wp.copy + held) - sum(g.captured for g in ran)
+                + wp.pending * sum(g.params for g in ran) / params)
+        best = max(best, part)
+    return max(0.0, done + best)
