@@ -154,10 +154,8 @@ def open_notes(run_dir: str | Path) -> None:
     """Make this attempt's notes folder at its start (never raises): a folder needs a block on
     most file systems, which a disk that fills up later no longer has, while the notes' files
     (an inode each, `note_final`'s link) may still be made then."""
-    try:
+    with contextlib.suppress(OSError):
         _notes_dir(run_dir, attempt()).mkdir(parents=True, exist_ok=True)
-    except OSError:
-        pass
 
 
 def note_failure(run_dir: str | Path, rank: int, cause: str, kind: str = "exception",

@@ -29,6 +29,7 @@ for it, dumps, waits up to `GRACE_S` for the others' dumps, and exits with `EXIT
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import select
@@ -328,10 +329,9 @@ class DoctorSession:
         rank's exit waited up to POLL_S for it (a zero byte on the wakeup socket, which no signal
         writes; without one the watcher waits on `_stop`)."""
         if self._wakeup is not None:
-            try:
+            # OSError: full (signals pending: it wakes anyway) or closed
+            with contextlib.suppress(OSError):
                 self._wakeup[1].send(b"\0")
-            except OSError:  # full (signals pending: it wakes anyway) or closed
-                pass
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name

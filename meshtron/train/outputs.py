@@ -258,11 +258,12 @@ def print_plan(plan, cluster, dtype_note: str = "", source: str = "") -> None:
     pred = plan.predicted or {}
     pipeline = (f" schedule={plan.schedule_label()} stage_layers={list(plan.stage_layers)}"
                 if plan.pp > 1 else "")
+    offload = f" {plan.offload_label()}" if plan.offload_label() else ""
     Console().print(
         f"[bold]plan[/] {plan.layout()} zero={plan.zero} micro_batch={plan.micro_batch} "
         f"recompute={plan.recompute} sp={'on' if plan.sp else 'off'}{pipeline}"
         f"{' compile' if plan.compile else ''}{' async_tp' if plan.async_tp else ''}"
-        f"{plan.comm_label()}{' ' + plan.offload_label() if plan.offload_label() else ''} "
+        f"{plan.comm_label()}{offload} "
         f"dtype={plan.dtype}{dtype_note} on {cluster.name}; {_predicted_words(pred)}"
         + (f"; cluster: {source}" if source else ""), soft_wrap=True)
 
