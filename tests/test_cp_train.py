@@ -2,16 +2,19 @@
 `meshtron train` and the plan's validity rules.
 
 Default suite, one 4-rank gloo launch: cp=2 x dp=2 (FSDP ZeRO-3 over dp_shard x cp) with packed
-documents crossing every chunk boundary, and cp=2 x tp=2 with sequence parallelism (ZeRO-2),
-train 3 AdamW steps each (gradient clipping active) and must give the single-process run's
-losses, gradient norms and every parameter to 1e-5 relative (the sweep's tolerance,
-tests/test_parallel.py); the same launch counts one step's collectives against the planner
-(FSDP2's: `step_collectives`; attention's K/V all-gathers and reduce-scatters: counts and bytes).
+documents crossing every chunk boundary (also with a Gemma-3-style windowed model,
+WINDOW_MODEL), and cp=2 x tp=2 with sequence parallelism (ZeRO-2), train 3 AdamW steps each
+(gradient clipping active) and must give the single-process run's losses, gradient norms and
+every parameter to 1e-5 relative (the sweep's tolerance, tests/test_parallel.py); the same
+launch counts one step's collectives against the planner (FSDP2's: `step_collectives`;
+attention's K/V all-gathers and reduce-scatters: counts and bytes). One 2-rank `meshtron train
+--plan cp=2` of a windowed model with packed documents against one process.
 Slow: more compositions (ZeRO-2 with micro-batches, full recomputation and documents; tp x cp
-ZeRO-3 with selective recomputation and documents; cp=4), a DCP checkpoint saved at cp=2 x dp=2
-and resumed at cp=1 (dp=4 ZeRO-3, and tp=2 x dp=2): the next step's loss and parameters equal
-continuing at cp=2; and `meshtron train --plan tp=2,cp=2 --attention-mask document` against one
-process through the CLI. Refusals (no ranks start): one line, exit 2.
+ZeRO-3 with selective recomputation and documents; cp=4; the windowed model under tp x cp and
+at cp=4), a DCP checkpoint saved at cp=2 x dp=2 and resumed at cp=1 (dp=4 ZeRO-3, and tp=2 x
+dp=2): the next step's loss and parameters equal continuing at cp=2; and `meshtron train
+--plan tp=2,cp=2 --attention-mask document` against one process through the CLI. Refusals (no
+ranks start): one line, exit 2.
 """
 
 from __future__ import annotations
@@ -34,9 +37,15 @@ from testkit.multiproc import run_on_ranks
 
 TOL = 1e-5
 
+WINDOW_MODEL = dict(name="equiv-window", sliding_window=3, window_every=2,
+                    rope_local_theta=100.0)
+"""Gemma 3's pattern on the 4 blocks: blocks 0 and 2 slide (a window of 3, shorter than a
+cp=2 chunk of 4 tokens, under documents of 5 that cross the chunk borders) and rotate at a
+RoPE base of their own; blocks 1 and 3 attend globally."""
 LAYOUTS = [
     dict(cp=2, dp=2, zero=3, documents=True),
     dict(cp=2, tp=2, sp=True, zero=2),
+    dict(cp=2, dp=2, zero=3, documents=True, model=WINDOW_MODEL),
 ]
 """The default suite's layouts (one launch with the collective count)."""
 SLOW_LAYOUTS = [
@@ -44,6 +53,8 @@ SLOW_LAYOUTS = [
     dict(cp=2, tp=2, sp=True, zero=3, recompute="selective", documents=True),
     dict(cp=4, zero=3),
     dict(cp=2, dp=2, zero=3),
+    dict(cp=2, tp=2, sp=True, zero=2, model=WINDOW_MODEL),  # 11 s of the default launch
+    dict(cp=4, zero=3, model=WINDOW_MODEL),  # chunks of 2 tokens, windows of 3
 ]
 """`make test-slow`: more compositions, with the DCP resume at cp=1."""
 SAVE = dict(cp=2, dp=2, zero=3)
@@ -158,21 +169,24 @@ def test_cp_more_layouts_and_resume_at_cp1(tmp_path):
 
 
 def _check_layouts(results, layouts):
-    refs: dict[bool, dict] = {}
+    refs: dict[tuple, dict] = {}
 
     def reference(layout):
-        docs = bool(layout.get("documents"))
-        if docs not in refs:
-            refs[docs] = reference_run(layout_cfg(DEFAULT_CFG, layout)[0])
-        return refs[docs]
+        key = (bool(layout.get("documents")), bool(layout.get("model")))
+        if key not in refs:
+            refs[key] = reference_run(layout_cfg(DEFAULT_CFG, layout)[0])
+        return refs[key]
 
     report = compare(reference, [r["layouts"] for r in results])
     print("\n" + format_report(report))
     bad = [r for r in report if r["missing"] or r["extra"]
            or max(r["loss_rel"], r["norm_rel"], r["param_rel"]) > TOL]
     assert len(report) == len(layouts) and not bad, format_report(bad)
-    # documents change the loss: the document-mask layouts were compared with their own run
-    assert refs[True]["losses"] != refs[False]["losses"]
+    # documents and windows change the loss: such layouts were compared with their own run
+    assert refs[True, False]["losses"] != refs[False, False]["losses"]
+    for docs in (True, False):
+        if (docs, True) in refs:
+            assert refs[docs, True]["losses"] != refs[docs, False]["losses"]
 
 
 def _check_collectives(results):
@@ -292,3 +306,43 @@ def test_train_cli_tp2_cp2_with_documents_equals_one_process(tmp_path):
     for a, b in zip(rows["one"], rows["cp"]):
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= TOL * abs(a[key]), (key, a, b)
+
+
+WINDOW_RUN = [*RUN, "--set", "model.sliding_window=6", "--set", "model.window_every=2",
+              "--set", "model.rope_local_theta=100.0"]
+"""Gemma 3's pattern on the debug model: block 0 slides (a window of 6, shorter than a cp=2
+chunk of 8 tokens) at a RoPE base of its own, block 1 attends globally."""
+
+
+def test_train_cli_cp2_window_with_documents_equals_one_process(tmp_path):
+    """`meshtron train --nproc 2 --plan cp=2 --attention-mask document` of a windowed model
+    (refused before: a plan rule, and packed documents with a window at train) logs the
+    single-process run's losses and gradient norms (fp32); the one-process runs in this
+    process show that the window and the documents each change the losses."""
+    import json
+    import random
+
+    from meshtron.cli import main
+
+    # documents of 5 to 20 bytes (the debug model's byte tokens): several per 32-token
+    # sequence, crossing the chunk borders (the stdlib corpus's files outlast the run's tokens)
+    rng = random.Random(0)
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": "".join(rng.choice("abcdefgh ")
+                                                        for _ in range(rng.randint(5, 20)))})
+                            + "\n" for _ in range(200)))
+    docs = ["--data", str(data), "--attention-mask", "document"]
+    runs = {"cp": ["--nproc", "2", "--plan", "cp=2", *WINDOW_RUN, *docs],
+            "one": ["--nproc", "1", *WINDOW_RUN, *docs],
+            "causal": ["--nproc", "1", *WINDOW_RUN, "--data", str(data)],
+            "no_window": ["--nproc", "1", *RUN, *docs]}
+    rows = {}
+    for name, args in runs.items():
+        assert main(["train", *args, "--run-dir", str(tmp_path / name)]) == 0, name
+        rows[name] = _metrics(tmp_path / name)
+    assert len(rows["one"]) == len(rows["cp"]) == 3
+    for a, b in zip(rows["one"], rows["cp"]):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= TOL * abs(a[key]), (key, a, b)
+    for other in ("causal", "no_window"):
+        assert rows[other][-1]["loss"] != pytest.approx(rows["one"][-1]["loss"], rel=1e-4)

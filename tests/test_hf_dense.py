@@ -231,11 +231,9 @@ def _write(tmp_path, mtype: str, **changes) -> str:
 REFUSED = [
     ("gemma2", dict(model_type="gemma2", head_dim=16, sliding_window=64), (),
      "model.attn_softcap=50.0"),
-    ("starcoder2", dict(sliding_window=16), ("--attention-mask", "document"),
-     "model.sliding_window=16: sliding-window attention is not built for packed documents"),
-    ("gemma3_text", {}, ("--attention-mask", "document"),
-     "model.rope_local_theta=10000.0: a second RoPE base for the sliding blocks"),
 ]
+"""(Sliding windows and Gemma 3's local RoPE with packed documents were refused here before:
+tests/test_window_documents.py, tests/test_cp_train.py.)"""
 
 
 @pytest.mark.parametrize("mtype, changes, extra, match", REFUSED, ids=[r[0] for r in REFUSED])
@@ -298,14 +296,28 @@ def test_plan_counts_the_rope_tables_the_runtime_keeps(plan_cli, tmp_path):
         (131072 - 4096) * table_row)
 
 
-def test_sliding_window_is_not_planned_with_context_parallelism(plan_cli, tmp_path):
+def test_sliding_window_is_planned_with_context_parallelism(plan_cli, tmp_path):
+    """Refused for meshtron's runtime before (a plan rule); the runtime now runs the window
+    under context parallelism (parallel/context.py), and the planner prices its core at the
+    window as for Transformer Engine's all-gather: sum_i min(i, w) of the causal pairs."""
+    from meshtron.planner.cluster import resolve_cluster
+    from meshtron.planner.compute import layer_cost
+    from meshtron.planner.frameworks import preset
+
     path = _write(tmp_path, "starcoder2", sliding_window=16)
-    args = ("--model", path, "--cluster", "dgx-h100:1", "--seq-len", "128", "--global-batch",
-            "16")
-    rc, out, err = plan_cli(*args, "--layout", "tp=1,cp=2,pp=1,dp=4")
-    assert rc == 2 and err.strip().count("\n") == 0
-    assert "plan.cp=2: model.sliding_window=16 is not built with context parallelism" in err
-    assert plan_cli(*args, "--layout", "tp=1,cp=2,pp=1,dp=4", "--framework", "megatron")[0] == 0
+    rc, out, err = plan_cli("--model", path, "--cluster", "dgx-h100:1", "--seq-len", "128",
+                            "--global-batch", "16", "--layout", "tp=1,cp=2,pp=1,dp=4")
+    assert rc == 0, err
+    s, w = 16384, 4096
+    sc2 = from_hf_dict(PUBLIC["starcoder2-15b"][1])
+    opts = preset("meshtron").kernel
+
+    def core(spec):
+        return layer_cost(spec, resolve_cluster("dgx-h100:1"), 1, 1, s, False, opts,
+                          cp=2).core_fwd
+
+    share = (w * (w + 1) / 2 + (s - w) * w) / (s * (s + 1) / 2)
+    assert core(sc2) == pytest.approx(core(sc2.replace(sliding_window=0)) * share, rel=1e-9)
 
 
 def test_olmo2_whole_qk_norm_is_planned_on_one_tensor_rank(plan_cli, tmp_path):

@@ -12,6 +12,11 @@ and document masks for packed sequences that never build an S x S tensor.
   slice of the packed row (the variable-length idea of FlashAttention-2's `cu_seqlens`, as a
   loop). Exact: a token's softmax runs over the same keys as with the dense mask. Memory is the
   longest document's square, never the sequence's.
+- Sliding windows (`window_attention`), with or without documents: query i sees key j iff
+  0 <= i - j < window (and, packed, both in one document). CUDA: a FlexAttention block mask of
+  the band (of band and documents: built with the document mask, once per forward, shared by
+  the sliding blocks); elsewhere `band_attention`: the queries in chunks of `window`, each
+  against the at most 2 x window keys its band reaches, masked by band and document.
 """
 
 from __future__ import annotations
@@ -24,16 +29,24 @@ class DocumentMask:
     """Which keys each query of a packed batch may attend to: earlier tokens of its document.
     Built once per forward (`document_mask`) and shared by every layer."""
 
-    __slots__ = ("doc", "segments", "block_mask")
+    __slots__ = ("doc", "segments", "block_mask", "window", "window_block_mask", "positions")
 
     def __init__(self, doc: torch.Tensor, segments: list[list[tuple[int, int]]] | None,
-                 block_mask=None):
+                 block_mask=None, window: int = 0, window_block_mask=None,
+                 positions: torch.Tensor | None = None):
         self.doc = doc
         """[batch, seq] document index of every token (0, 1, ... along each row)."""
         self.segments = segments
         """CPU path: per batch row, the (start, end) token range of each document."""
         self.block_mask = block_mask
         """CUDA path: FlexAttention's BlockMask for the document-causal mask."""
+        self.window = window
+        """The sliding blocks' window (0: none, or the sequence fits in it)."""
+        self.window_block_mask = window_block_mask
+        """CUDA path with a window: the BlockMask of band and documents together."""
+        self.positions = positions
+        """[batch, seq] each token's position inside its document (Gemma 3's sliding blocks
+        rotate by it with a RoPE table of their own); None where not given."""
 
     def dense(self) -> torch.Tensor:
         """The boolean [batch, 1, seq, seq] mask this stands for (tests and debugging only)."""
@@ -42,12 +55,16 @@ class DocumentMask:
         return ((self.doc[:, :, None] == self.doc[:, None, :]) & causal)[:, None]
 
 
-def document_mask(doc: torch.Tensor, kernel: str | None = None) -> DocumentMask:
+def document_mask(doc: torch.Tensor, kernel: str | None = None, window: int = 0,
+                  positions: torch.Tensor | None = None) -> DocumentMask:
     """The mask of document ids `doc` [batch, seq]. `kernel`: "flex" (default on CUDA) or
-    "segments" (default elsewhere)."""
+    "segments" (default elsewhere). `window`: the sliding blocks' window (0: none); on the
+    flex path its block mask (band and documents) is built here too, once per forward."""
     kernel = kernel or ("flex" if doc.is_cuda else "segments")
+    window = window if window and doc.shape[1] > window else 0  # else the band is causal
     if kernel == "flex":
-        return DocumentMask(doc, None, _flex_block_mask(doc))
+        return DocumentMask(doc, None, _flex_block_mask(doc), window,
+                            _flex_block_mask(doc, window) if window else None, positions)
     if kernel != "segments":
         raise ValueError(f"kernel={kernel!r}: expected 'flex' or 'segments'")
     # One device->host copy per forward; only on the CPU path, where it costs nothing.
@@ -56,7 +73,7 @@ def document_mask(doc: torch.Tensor, kernel: str | None = None) -> DocumentMask:
         _, counts = torch.unique_consecutive(row, return_counts=True)
         ends = counts.cumsum(0).tolist()
         rows.append(list(zip([0] + ends[:-1], ends)))
-    return DocumentMask(doc, rows)
+    return DocumentMask(doc, rows, None, window, None, positions)
 
 
 _COMPILED: dict[str, object] = {}
@@ -74,15 +91,20 @@ def _compiled(name: str):
     return fn
 
 
-def _flex_block_mask(doc: torch.Tensor):
+def _flex_block_mask(doc: torch.Tensor, window: int = 0):
+    """The document-causal BlockMask of `doc`; with `window`, of the band inside documents."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def document_causal(b, h, q_idx, kv_idx):
         return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
 
+    def document_band(b, h, q_idx, kv_idx):
+        return document_causal(b, h, q_idx, kv_idx) & (q_idx - kv_idx < window)
+
     bsz, seq = doc.shape
     build = _compiled("create_block_mask") if doc.is_cuda else create_block_mask
-    return build(document_causal, bsz, None, seq, seq, device=doc.device)
+    return build(document_band if window else document_causal, bsz, None, seq, seq,
+                 device=doc.device)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -102,34 +124,58 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     window: int, kernel: str | None = None) -> torch.Tensor:
+                     window: int, kernel: str | None = None,
+                     mask: DocumentMask | None = None) -> torch.Tensor:
     """Causal sliding-window attention (Mistral, StarCoder2, Gemma's sliding blocks): query i
-    attends to keys i - window + 1 .. i (transformers' sliding-window mask). Shapes as
-    `attention`. CUDA: FlexAttention with the window's block mask (the tiles outside the band
-    are skipped, as FlashAttention's local attention does). Elsewhere: the queries in chunks of
-    `window`, each against the at most 2 x window keys its band reaches, with a [window,
-    2 x window] mask; exact (every softmax over the same keys), never an S x S tensor.
-    `kernel`: "flex" (default on CUDA) or "chunks" (default elsewhere; "flex" runs eagerly
-    off CUDA, forward only, so tests check the CUDA branch's mask on CPU)."""
+    attends to keys i - window + 1 .. i (transformers' sliding-window mask); with `mask`
+    (packed documents) only to those of its own document. Shapes as `attention`. CUDA:
+    FlexAttention with the window's block mask (the tiles outside the band are skipped, as
+    FlashAttention's local attention does; with documents the mask's own band-and-document
+    block mask). Elsewhere `band_attention`: exact (every softmax over the same keys), never
+    an S x S tensor. `kernel`: "flex" (default on CUDA) or "chunks" (default elsewhere; "flex"
+    runs eagerly off CUDA, forward only, so tests check the CUDA branch's mask on CPU); with
+    documents the mask's kernel decides (`document_mask`)."""
     gqa = True if q.shape[1] != k.shape[1] else False
     seq = q.shape[2]
     kernel = kernel or ("flex" if q.is_cuda else "chunks")
     if kernel not in ("flex", "chunks"):
         raise ValueError(f"kernel={kernel!r}: expected 'flex' or 'chunks'")
     if seq <= window:  # the band covers the whole causal prefix
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return attention(q, k, v, mask)
+    if mask is not None:
+        if mask.window_block_mask is not None:
+            flex = _compiled("flex_attention") if q.is_cuda else _eager_flex()
+            return flex(q, k, v, block_mask=mask.window_block_mask, enable_gqa=gqa)
+        return band_attention(q, k, v, window, doc=mask.doc)
     if kernel == "flex":
         flex = _compiled("flex_attention") if q.is_cuda else _eager_flex()
         return flex(q, k, v, block_mask=_window_block_mask(seq, window, q.device),
                     enable_gqa=gqa)
+    return band_attention(q, k, v, window)
+
+
+def band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                   q_start: int = 0, doc: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact sliding-window attention of the queries at positions q_start .. q_start + n - 1
+    (q [b, heads, n, hd]) against keys at positions 0 .. (k, v [b, kv_heads, >= q_start + n,
+    hd]; a context-parallel rank's chunk against the gathered sequence, or the whole
+    sequence): the queries in chunks of `window`, each against the at most 2 x window - 1
+    keys its band reaches with a [window, 2 x window - 1] mask (band, and same document where
+    `doc` [b, >= q_start + n] gives the keys' document ids). Every query sees itself, so no
+    row is empty. Never an S x S tensor; the keys no chunk reaches get no gradient."""
+    gqa = True if q.shape[1] != k.shape[1] else False
     parts = []
-    for start in range(0, seq, window):
-        end, first = min(start + window, seq), max(0, start - window + 1)
-        qi = torch.arange(start, end, device=q.device)[:, None]
-        kj = torch.arange(first, end, device=q.device)[None, :]
-        band = (kj <= qi) & (qi - kj < window)
+    for s in range(0, q.shape[2], window):
+        e = min(s + window, q.shape[2])
+        lo, hi = q_start + s, q_start + e  # the chunk's positions
+        first = max(0, lo - window + 1)
+        qi = torch.arange(lo, hi, device=q.device)[:, None]
+        kj = torch.arange(first, hi, device=q.device)[None, :]
+        mask = (kj <= qi) & (qi - kj < window)
+        if doc is not None:  # [b, 1, chunk, keys]
+            mask = mask & (doc[:, None, lo:hi, None] == doc[:, None, None, first:hi])
         parts.append(F.scaled_dot_product_attention(
-            q[:, :, start:end], k[:, :, first:end], v[:, :, first:end], attn_mask=band,
+            q[:, :, s:e], k[:, :, first:hi], v[:, :, first:hi], attn_mask=mask,
             enable_gqa=gqa))
     return torch.cat(parts, dim=2)
 

@@ -109,11 +109,11 @@ def _qwen_sliding_blocks(cfg: Any, mtype: str, layers: int) -> list[int]:
     return list(range(first, layers))
 
 
-def runtime_problem(spec: Any, seq_len: int | None = None,
-                    documents: bool = False) -> str | None:
+def runtime_problem(spec: Any) -> str | None:
     """One line naming the first field meshtron's runtime does not compute exactly, with
-    its value and what is allowed; None when the runtime trains `spec` at `seq_len` tokens
-    (a sliding window no shorter than the sequence is full causal attention)."""
+    its value and what is allowed; None when the runtime trains `spec` (sliding windows
+    with packed documents and context parallelism included: model/attention.py,
+    parallel/context.py)."""
     if spec.attn_chunk:
         return (f"model.attn_chunk={spec.attn_chunk}: chunked attention (Llama 4 "
                 "attention_chunk_size) is priced by the planner but meshtron's runtime does "
@@ -122,14 +122,6 @@ def runtime_problem(spec: Any, seq_len: int | None = None,
         field = "attn_softcap" if spec.attn_softcap else "logit_softcap"
         return (f"model.{field}={getattr(spec, field)}: soft-capping (Gemma 2) is priced by "
                 "the planner but meshtron's runtime does not compute it; only 0")
-    if spec.sliding_window and documents and (seq_len is None or seq_len > spec.sliding_window):
-        return (f"model.sliding_window={spec.sliding_window}: sliding-window attention is not "
-                "built for packed documents (data.attention_mask='document'); use "
-                f"data.attention_mask='causal' or data.seq_len <= {spec.sliding_window}")
-    if documents and local_rope(spec):
-        return (f"model.rope_local_theta={spec.rope_local_theta}: a second RoPE base for the "
-                "sliding blocks (Gemma 3 rope_local_base_freq) is not built for packed "
-                "documents (data.attention_mask='document'); use data.attention_mask='causal'")
     return None  # qk_norm_whole's limit to tp=1 is a plan rule (plan_rules.model_problems)
 
 
@@ -139,9 +131,9 @@ def local_rope(spec: Any) -> bool:
                 and spec.rope_local_theta != spec.rope_theta)
 
 
-def check_runtime(spec: Any, seq_len: int | None = None, documents: bool = False) -> None:
+def check_runtime(spec: Any) -> None:
     """`runtime_problem` as a UserError (meshtron train, Transformer)."""
-    problem = runtime_problem(spec, seq_len, documents)
+    problem = runtime_problem(spec)
     if problem:
         raise UserError(problem)
 

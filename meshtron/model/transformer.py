@@ -105,14 +105,17 @@ class Attention(nn.Module):
         """`rope`: the RoPE table, or (per-token RoPE angles or None, DocumentMask) for
         packed documents (`document_context`), or a context-parallel `AttentionContext`
         (meshtron/parallel/context.py: this rank's RoPE angles and the attention function)."""
-        mask = attend = None
+        mask = attend = cp_ctx = None
         if isinstance(rope, tuple):
             rope, mask = rope
-        elif hasattr(rope, "attend"):
-            rope, attend = rope.angles, rope.attend
+        elif hasattr(rope, "attend"):  # the sliding blocks' own attention where it differs
+            cp_ctx = rope
+            rope = cp_ctx.angles
+            attend = (cp_ctx.window_attend if self.window and cp_ctx.window_attend is not None
+                      else cp_ctx.attend)
         bsz, seq, _ = x.shape
-        if self.local_spec is not None and isinstance(rope, torch.Tensor):
-            rope = self._local_table(rope.device, seq)  # documents, cp: refused (hf_variants)
+        if self.local_spec is not None and rope is not None:
+            rope = self._local_angles(rope, mask, cp_ctx, seq)
         # -1 heads: under tensor parallelism each rank holds heads/tp of them.
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.q_norm is not None and self.qk_whole:  # OLMo 2: over the whole projection
@@ -130,11 +133,20 @@ class Attention(nn.Module):
         if attend is not None:  # context parallelism gathers the kv heads itself
             return self.wo(attend(q, k, v).transpose(1, 2).reshape(bsz, seq, -1))
         # Grouped-query attention natively (no K/V copies); document masks without S x S.
-        # A sliding window with document masks is refused (hf_variants.runtime_problem).
-        out = (window_attention(q, k, v, self.window, self.window_kernel)
-               if self.window and mask is None
-               else attention(q, k, v, mask))
+        out = (window_attention(q, k, v, self.window, self.window_kernel, mask)
+               if self.window else attention(q, k, v, mask))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+    def _local_angles(self, rope: torch.Tensor, mask: DocumentMask | None, cp_ctx,
+                      seq: int) -> torch.Tensor:
+        """Gemma 3's sliding-block RoPE for this forward: the local table itself, or its rows
+        at the tokens' positions (inside their documents: `mask.positions`; under context
+        parallelism: the context's `positions` of this rank's tokens)."""
+        if cp_ctx is not None:
+            table = self._local_table(rope.device, cp_ctx.seq)
+            return table[:, cp_ctx.positions]
+        table = self._local_table(rope.device, seq)
+        return table if mask is None else table[:, mask.positions]
 
     def _local_table(self, device: torch.device, seq: int) -> torch.Tensor:
         """The shared local table with at least `seq` rows: the run's sequence length, not
@@ -228,7 +240,7 @@ class Transformer(nn.Module):
         super().__init__()
         from meshtron.model.hf_variants import check_runtime
 
-        check_runtime(spec, seq_len=0)  # soft-capping, a second RoPE base: not built here
+        check_runtime(spec)  # soft-capping, chunked attention: not built here
         problem = runtime_refusal(spec)
         if problem:  # planned-only features (ModelSpec.train_refusals): never built inexactly
             raise UserError(problem)
@@ -301,22 +313,14 @@ class Transformer(nn.Module):
         stage that lacks the embedding or the output head). With `targets` [batch, seq] (and
         the output head here): the mean cross-entropy instead, without whole logits
         (`loss`)."""
-        window = self.spec.sliding_window
-        if window and tokens.shape[1] > window and (self.context_parallel is not None
-                                                    or self.document_eos is not None):
-            from meshtron.errors import UserError  # a shape, known on the host: no sync
-
-            raise UserError(f"model.sliding_window={window}: sequences of {tokens.shape[1]} "
-                            "tokens with packed documents or context parallelism need a "
-                            "sliding window meshtron's runtime does not build there; use "
-                            f"at most {window}")
         # the sequence's length: token ids, or a later stage's hidden states (sequence shards)
         seq = tokens.shape[1] * (1 if tokens.dim() == 2 else self.sequence_shards)
         rope = self.rope_for(seq)
         if self.context_parallel is not None:
             rope = self.context_parallel.context(tokens, self)
         elif self.document_eos is not None:
-            rope = document_context(tokens, self.document_eos, rope)
+            window = self.spec.sliding_window if self.spec.sliding_blocks else 0
+            rope = document_context(tokens, self.document_eos, rope, window)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if self.tok_embeddings is not None and self.spec.embed_scale != 1:
             h = h * self.spec.embed_scale  # Gemma: sqrt(hidden); Granite: embedding_multiplier
@@ -365,11 +369,12 @@ def document_positions(tokens: torch.Tensor, eos: int) -> tuple[torch.Tensor, to
     return doc, idx - first
 
 
-def document_context(tokens: torch.Tensor, eos: int, rope: torch.Tensor | None
-                     ) -> tuple[torch.Tensor | None, DocumentMask]:
+def document_context(tokens: torch.Tensor, eos: int, rope: torch.Tensor | None,
+                     window: int = 0) -> tuple[torch.Tensor | None, DocumentMask]:
     """What attention needs for packed documents: per-token RoPE angles at the positions inside
     each document (None without RoPE) and the DocumentMask that lets a token see only earlier
-    tokens of its own document (meshtron/model/attention.py; no [seq, seq] tensor)."""
+    tokens of its own document (meshtron/model/attention.py; no [seq, seq] tensor), and with
+    `window` (the sliding blocks') only the last `window` of them in the sliding blocks."""
     doc, pos = document_positions(tokens, eos)
     angles = rope[:, pos] if rope is not None else None  # [2, batch, seq, hd]
-    return angles, document_mask(doc)
+    return angles, document_mask(doc, window=window, positions=pos)

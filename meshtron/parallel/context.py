@@ -30,6 +30,17 @@ by the compiled `create_block_mask` from a `mask_mod` (no S x S tensor), once pe
 ids change every batch) and shared by every layer; on CPU, where FlexAttention has no backward,
 an exact boolean mask per query chunk ([chunk, prefix]).
 
+Sliding windows (Mistral, Gemma 3's sliding blocks, StarCoder2): query i sees the keys
+i - window + 1 .. i (inside its document, with documents). The sliding blocks get an attention
+function of their own (`AttentionContext.window_attend`): on CUDA a FlexAttention block mask of
+the band (and documents) over the gathered keys, built once per forward with the document
+masks (without documents it depends on the shapes only and is kept), so the tiles outside the
+band are skipped, as Transformer Engine's all-gather context parallelism runs its windowed
+kernel on each rank's chunks; on CPU `band_attention` (model/attention.py): each local chunk's
+queries in chunks of the window against the at most 2 x window - 1 gathered keys they reach,
+with an exact boolean mask. The global blocks keep the paths above. Gemma 3's sliding blocks
+rotate with a table of their own at the tokens' `positions`.
+
 Use: `apply_context_parallel(model, group)` sets `model.context_parallel`; the model's forward
 then takes this rank's chunks (`shard_batch`) and its attention calls `ContextParallel.attend`.
 The loss of a rank is the mean over its tokens; the global mean is the mean over the cp ranks
@@ -47,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from meshtron.errors import UserError
+from meshtron.model.attention import band_attention
 from meshtron.parallel.cp_sdpa import chunk_attention, kernel_for
 
 
@@ -110,6 +122,14 @@ class AttentionContext:
     """RoPE cos/sin rows of this rank's tokens: [2, seq/cp, hd] or [2, batch, seq/cp, hd]."""
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     """(q [b, h, seq/cp, d], local k, v [b, kv_heads, seq/cp, d]) -> out [b, h, seq/cp, d]."""
+    window_attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    """The same for the sliding blocks (ContextParallel.attend_window); None where no block
+    slides or the sequence fits in the window (then the band is causal attention)."""
+    positions: torch.Tensor | None = None
+    """RoPE positions of this rank's tokens: [seq/cp] global, or [batch, seq/cp] inside their
+    documents (the rows a second RoPE table is read at: Gemma 3's sliding blocks)."""
+    seq: int = 0
+    """The whole sequence's length."""
 
 
 class ContextParallel:
@@ -134,7 +154,7 @@ class ContextParallel:
         table = model.rope_for(seq)
         q_doc = kv_doc = None
         if model.document_eos is None:
-            angles = table[:, pos] if table is not None else None
+            rope_pos = pos
         else:
             from meshtron.model.transformer import document_positions
             from meshtron.torch_compat import functional_all_gather
@@ -143,12 +163,32 @@ class ContextParallel:
                               self.cp, 1)
             kv_doc, doc_pos = document_positions(full, model.document_eos)
             q_doc = kv_doc[:, pos]
-            angles = table[:, doc_pos[:, pos]] if table is not None else None
-        block = None
-        if tokens.is_cuda and q_doc is not None:  # FlexAttention, shared by every layer
-            block = block_mask(pos, q_doc, kv_doc, tokens.shape[0], seq)
+            rope_pos = doc_pos[:, pos]
+        angles = table[:, rope_pos] if table is not None else None
+        spec = model.spec
+        window = spec.sliding_window if spec.sliding_blocks and seq > spec.sliding_window else 0
+        block = window_block = None
+        if tokens.is_cuda:  # FlexAttention block masks, each shared by every layer using it
+            if q_doc is not None:
+                block = block_mask(pos, q_doc, kv_doc, tokens.shape[0], seq)
+            if window:
+                window_block = self._window_block(pos, q_doc, kv_doc, tokens.shape[0], seq,
+                                                  window)
+        window_attend = (partial(self.attend_window, window=window, kv_doc=kv_doc,
+                                 block=window_block) if window else None)
         return AttentionContext(angles, partial(self.attend, q_doc=q_doc, kv_doc=kv_doc,
-                                                block=block))
+                                                block=block), window_attend, rope_pos, seq)
+
+    def _window_block(self, pos, q_doc, kv_doc, batch: int, seq: int, window: int):
+        """The band's block mask of this rank's queries (with documents: built per forward, the
+        ids change every batch; without: kept per shape, as model/attention.py keeps the
+        one-process band's)."""
+        if q_doc is not None:
+            return block_mask(pos, q_doc, kv_doc, batch, seq, window)
+        key = (seq, self.cp, self.rank, window, str(pos.device))
+        if key not in _WINDOW_BLOCKS:
+            _WINDOW_BLOCKS[key] = block_mask(pos, None, None, batch, seq, window)
+        return _WINDOW_BLOCKS[key]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                q_doc: torch.Tensor | None = None, kv_doc: torch.Tensor | None = None,
@@ -179,19 +219,42 @@ class ContextParallel:
                                                        enable_gqa=True))
         return torch.cat(outs, dim=2)
 
+    def attend_window(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                      kv_doc: torch.Tensor | None = None, block: Any = None) -> torch.Tensor:
+        """Sliding-window attention (and, with document ids, inside documents) of the local
+        queries against the gathered K/V: `block` (CUDA) the band's FlexAttention block mask;
+        otherwise each local chunk through `band_attention` (exact, per window of queries)."""
+        k = _gather_sequence(k, self.group, self.cp, 2)
+        v = _gather_sequence(v, self.group, self.cp, 2)
+        if block is not None:
+            return flex_attention(q, k, v, block)
+        c = q.shape[2] // 2
+        return torch.cat([band_attention(q[:, :, i * c:(i + 1) * c], k, v, window, chunk * c,
+                                         kv_doc)
+                          for i, chunk in enumerate(self.chunks())], dim=2)
+
+
+_WINDOW_BLOCKS: dict[tuple, Any] = {}
+"""Band block masks without documents, per (seq, cp, rank, window, device)."""
+
 
 def block_mask(q_pos: torch.Tensor, q_doc: torch.Tensor | None, kv_doc: torch.Tensor | None,
-               batch: int, seq: int):
+               batch: int, seq: int, window: int = 0):
     """FlexAttention block mask of the local queries (global positions `q_pos`) against the
-    whole sequence: causal, and inside each document when document ids are given. Blocks the
-    mask empties are skipped (the causal half of the work on average; no S x S tensor)."""
+    whole sequence: causal, inside each document when document ids are given, and within the
+    last `window` keys with a window. Blocks the mask empties are skipped (the causal half of
+    the work on average, all but the band with a window; no S x S tensor)."""
+    def causal(q_idx, kv_idx):
+        seen = kv_idx <= q_pos[q_idx]
+        return seen & (q_pos[q_idx] - kv_idx < window) if window else seen
+
     if q_doc is None:
         def mask_mod(b, h, q_idx, kv_idx):
-            return kv_idx <= q_pos[q_idx]
+            return causal(q_idx, kv_idx)
         batch = None
     else:
         def mask_mod(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_pos[q_idx]) & (q_doc[b, q_idx] == kv_doc[b, kv_idx])
+            return causal(q_idx, kv_idx) & (q_doc[b, q_idx] == kv_doc[b, kv_idx])
     build = mask_builder(q_pos.device)
     return build(mask_mod, batch, None, q_pos.numel(), seq, device=q_pos.device)
 

@@ -280,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"--seq-len not given: planning at {seq} tokens per sequence, the smaller "
                      f"of the model's max_position_embeddings ({model.max_seq}) and "
                      f"{DEFAULT_SEQ_LEN}")
-    refused = model_refusal(model, seq)
+    refused = model_refusal(model)
     if refused:  # priced as the stack would run it; said here, not first at `meshtron train`
         notes.append(f"meshtron train refuses this model: {refused}")
     # what `meshtron train` will warn of the config.json (its dropout: hf_config.dropout_notes)
@@ -337,17 +337,17 @@ def _runtime_refusal(plan: Any, model: Any) -> str | None:
         plan.validate(plan.gpus)
     except UserError as e:
         return str(e)
-    return model_refusal(model, plan.seq_len)
+    return model_refusal(model)
 
 
-def model_refusal(model: Any, seq: int) -> str | None:
-    """What `meshtron train` refuses of the model itself at `seq` tokens with its default
-    causal mask, whatever the layout (the checks job_from_args runs: planned-only features,
-    shapes.runtime_refusal; soft-capping, hf_variants.runtime_problem), or None."""
+def model_refusal(model: Any) -> str | None:
+    """What `meshtron train` refuses of the model itself, whatever the layout and mask (the
+    checks job_from_args runs: planned-only features, shapes.runtime_refusal; soft-capping,
+    hf_variants.runtime_problem), or None."""
     from meshtron.model.hf_variants import runtime_problem
     from meshtron.model.shapes import runtime_refusal
 
-    return runtime_refusal(model) or runtime_problem(model, seq)
+    return runtime_refusal(model) or runtime_problem(model)
 
 
 def quiet_broken_pipe() -> None:

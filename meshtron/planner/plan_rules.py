@@ -77,13 +77,6 @@ def model_problems(k: Mapping[str, Any], model: Any, runtime: bool = True,
         yield (f"plan.tp={tp}: model.qk_norm_whole=true (OLMo 2's norm over the whole q and k "
                "projections) needs every head on one rank in meshtron's runtime; use tp=1")
         return
-    cp, window, seq = k.get("cp") or 1, getattr(model, "sliding_window", 0), k.get("seq_len")
-    if runtime and cp > 1 and window and (seq is None or seq > window
-                                          or getattr(model, "rope_local_theta", None)):
-        # context parallelism's attention (parallel/context.py) computes the causal square
-        yield (f"plan.cp={cp}: model.sliding_window={window} is not built with context "
-               "parallelism in meshtron's runtime; use cp=1")
-        return
     if runtime and pp is not None and pp > 1 and getattr(model, "tied_embeddings", False):
         yield (f"plan.pp={pp}: model {model.name} ties its input and output embeddings, which "
                "the runtime cannot split across pipeline stages; use pp=1")

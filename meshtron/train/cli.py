@@ -208,7 +208,7 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
     problem = runtime_refusal(cfg.model)
     if problem:
         raise UserError(problem)
-    check_runtime(cfg.model, cfg.data.seq_len, cfg.data.attention_mask == "document")
+    check_runtime(cfg.model)
     from meshtron.data.pipeline import check_source_key
 
     check_source_key(cfg.data.source, cfg.data.json_key)  # before any rank reads
