@@ -148,7 +148,8 @@ def _count_collectives(group, cp, documents, recompute) -> dict:
 
 
 def _flex_matches_mask_path(group, cp, rank) -> float:
-    """The CUDA path (FlexAttention block mask) against the CPU path, causal and documents."""
+    """The CUDA path (FlexAttention block mask) against the CPU path, causal and documents,
+    and with sliding windows (3: shorter than a chunk of 4; 6) through attend_window."""
     from meshtron.model.transformer import document_positions
     from meshtron.parallel.context import (ContextParallel, _gather_sequence, block_mask,
                                            chunk_positions, flex_attention)
@@ -162,11 +163,13 @@ def _flex_matches_mask_path(group, cp, rank) -> float:
     worst = 0.0
     with torch.no_grad():
         for q_doc, kv_doc in ((None, None), (doc[:, pos], doc)):
-            ref = ContextParallel(group).attend(q, k, v, q_doc, kv_doc)
-            block = block_mask(pos, q_doc, kv_doc, BATCH, SEQ)
-            flex = flex_attention(q, _gather_sequence(k, group, cp, 2),
-                                  _gather_sequence(v, group, cp, 2), block)
-            worst = max(worst, (flex - ref).abs().max().item())
+            for window in (0, 3, 6):
+                ref = (ContextParallel(group).attend_window(q, k, v, window, kv_doc) if window
+                       else ContextParallel(group).attend(q, k, v, q_doc, kv_doc))
+                block = block_mask(pos, q_doc, kv_doc, BATCH, SEQ, window)
+                flex = flex_attention(q, _gather_sequence(k, group, cp, 2),
+                                      _gather_sequence(v, group, cp, 2), block)
+                worst = max(worst, (flex - ref).abs().max().item())
     return worst
 
 

@@ -56,14 +56,18 @@ class DocumentMask:
 
 
 def document_mask(doc: torch.Tensor, kernel: str | None = None, window: int = 0,
-                  positions: torch.Tensor | None = None) -> DocumentMask:
+                  positions: torch.Tensor | None = None,
+                  every_block_slides: bool = False) -> DocumentMask:
     """The mask of document ids `doc` [batch, seq]. `kernel`: "flex" (default on CUDA) or
     "segments" (default elsewhere). `window`: the sliding blocks' window (0: none); on the
-    flex path its block mask (band and documents) is built here too, once per forward."""
+    flex path its block mask (band and documents) is built here too, once per forward, and
+    the plain one only where some block attends globally (not `every_block_slides`:
+    Mistral's)."""
     kernel = kernel or ("flex" if doc.is_cuda else "segments")
     window = window if window and doc.shape[1] > window else 0  # else the band is causal
     if kernel == "flex":
-        return DocumentMask(doc, None, _flex_block_mask(doc), window,
+        plain = None if window and every_block_slides else _flex_block_mask(doc)
+        return DocumentMask(doc, None, plain, window,
                             _flex_block_mask(doc, window) if window else None, positions)
     if kernel != "segments":
         raise ValueError(f"kernel={kernel!r}: expected 'flex' or 'segments'")

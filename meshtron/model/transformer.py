@@ -319,8 +319,7 @@ class Transformer(nn.Module):
         if self.context_parallel is not None:
             rope = self.context_parallel.context(tokens, self)
         elif self.document_eos is not None:
-            window = self.spec.sliding_window if self.spec.sliding_blocks else 0
-            rope = document_context(tokens, self.document_eos, rope, window)
+            rope = document_context(tokens, self.document_eos, rope, self.spec)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if self.tok_embeddings is not None and self.spec.embed_scale != 1:
             h = h * self.spec.embed_scale  # Gemma: sqrt(hidden); Granite: embedding_multiplier
@@ -370,11 +369,14 @@ def document_positions(tokens: torch.Tensor, eos: int) -> tuple[torch.Tensor, to
 
 
 def document_context(tokens: torch.Tensor, eos: int, rope: torch.Tensor | None,
-                     window: int = 0) -> tuple[torch.Tensor | None, DocumentMask]:
+                     spec: ModelSpec | None = None) -> tuple[torch.Tensor | None, DocumentMask]:
     """What attention needs for packed documents: per-token RoPE angles at the positions inside
     each document (None without RoPE) and the DocumentMask that lets a token see only earlier
-    tokens of its own document (meshtron/model/attention.py; no [seq, seq] tensor), and with
-    `window` (the sliding blocks') only the last `window` of them in the sliding blocks."""
+    tokens of its own document (meshtron/model/attention.py; no [seq, seq] tensor), and in
+    `spec`'s sliding blocks only the last sliding_window of them."""
     doc, pos = document_positions(tokens, eos)
     angles = rope[:, pos] if rope is not None else None  # [2, batch, seq, hd]
-    return angles, document_mask(doc, window=window, positions=pos)
+    slides = spec is not None and spec.sliding_blocks > 0
+    return angles, document_mask(doc, window=spec.sliding_window if slides else 0,
+                                 positions=pos,
+                                 every_block_slides=slides and spec.sliding_blocks == spec.layers)

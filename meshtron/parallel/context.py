@@ -167,28 +167,31 @@ class ContextParallel:
         angles = table[:, rope_pos] if table is not None else None
         spec = model.spec
         window = spec.sliding_window if spec.sliding_blocks and seq > spec.sliding_window else 0
-        block = window_block = None
-        if tokens.is_cuda:  # FlexAttention block masks, each shared by every layer using it
-            if q_doc is not None:
-                block = block_mask(pos, q_doc, kv_doc, tokens.shape[0], seq)
-            if window:
-                window_block = self._window_block(pos, q_doc, kv_doc, tokens.shape[0], seq,
-                                                  window)
-        window_attend = (partial(self.attend_window, window=window, kv_doc=kv_doc,
-                                 block=window_block) if window else None)
+        block = None  # FlexAttention (CUDA): each block mask shared by every layer using it
+        if tokens.is_cuda and q_doc is not None and not (window
+                                                         and spec.sliding_blocks == spec.layers):
+            block = block_mask(pos, q_doc, kv_doc, tokens.shape[0], seq)
         return AttentionContext(angles, partial(self.attend, q_doc=q_doc, kv_doc=kv_doc,
-                                                block=block), window_attend, rope_pos, seq)
+                                                block=block),
+                                self._window_attend(window, pos, q_doc, kv_doc, seq),
+                                rope_pos, seq)
 
-    def _window_block(self, pos, q_doc, kv_doc, batch: int, seq: int, window: int):
-        """The band's block mask of this rank's queries (with documents: built per forward, the
-        ids change every batch; without: kept per shape, as model/attention.py keeps the
+    def _window_attend(self, window: int, pos: torch.Tensor, q_doc, kv_doc, seq: int):
+        """The sliding blocks' attention function of one forward (None without a window). On
+        CUDA with the band's block mask: with documents built per forward (the ids change
+        every batch), without them kept per shape (as model/attention.py keeps the
         one-process band's)."""
-        if q_doc is not None:
-            return block_mask(pos, q_doc, kv_doc, batch, seq, window)
-        key = (seq, self.cp, self.rank, window, str(pos.device))
-        if key not in _WINDOW_BLOCKS:
-            _WINDOW_BLOCKS[key] = block_mask(pos, None, None, batch, seq, window)
-        return _WINDOW_BLOCKS[key]
+        if not window:
+            return None
+        block = None
+        if pos.is_cuda and q_doc is not None:
+            block = block_mask(pos, q_doc, kv_doc, q_doc.shape[0], seq, window)
+        elif pos.is_cuda:
+            key = (seq, self.cp, self.rank, window, str(pos.device))
+            if key not in _WINDOW_BLOCKS:
+                _WINDOW_BLOCKS[key] = block_mask(pos, None, None, 1, seq, window)
+            block = _WINDOW_BLOCKS[key]
+        return partial(self.attend_window, window=window, kv_doc=kv_doc, block=block)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                q_doc: torch.Tensor | None = None, kv_doc: torch.Tensor | None = None,
