@@ -17,7 +17,8 @@ loss_window      code added after the first GPU run: which weight-gradient GEMM 
                  takes (model/loss.py: addmm into fp32 where the probe finds it exact) and its
                  loss and gradients in bf16 against whole fp32 logits; sliding-window
                  attention's FlexAttention band (model/attention.py, compiled on CUDA) forward
-                 and backward against the chunked path (CPU: forward, eager)
+                 and backward against the chunked path (CPU: forward, eager); the same with
+                 packed documents, and a context-parallel rank's band with documents
 
 Each script reads DEV (the device) and SMALL (dry run: toy sizes) from its first lines, so the
 dry run executes the same scripts on the CPU (where the CUDA-only parts say what they skip).
@@ -232,6 +233,29 @@ else:  # FlexAttention has no CPU backward (it refuses inputs that need one): th
     pairs = [(window_attention(q, k, v, window, "flex"),
               window_attention(q, k, v, window, "chunks"))]
 out["window_rel_err"] = [rel(a, b.float()) for a, b in pairs]
+# Windows with packed documents (one block mask of band and documents, built as the document
+# mask is) and a context-parallel rank's band (cp=4, rank 1; with documents), each against the
+# exact chunks (model/attention.py band_attention) on the same device.
+from meshtron.model.attention import band_attention, document_mask
+from meshtron.parallel.context import block_mask, chunk_positions, flex_attention
+doc = (torch.arange(seq, device=dev) // (window // 2 + 3)).expand(2, seq).contiguous()
+pos = chunk_positions(seq, 4, 1, dev)
+c = seq // 8
+lq = q.detach()[:, :, pos].requires_grad_(cuda)
+runs = [(lambda: window_attention(q, k, v, window, mask=document_mask(doc, "flex", window)),
+         lambda: window_attention(q, k, v, window, mask=document_mask(doc, "segments", window)),
+         (q, k, v)),
+        (lambda: flex_attention(lq, k, v, block_mask(pos, doc[:, pos], doc, 2, seq, window)),
+         lambda: torch.cat([band_attention(lq[:, :, i * c:(i + 1) * c], k, v, window, j * c, doc)
+                            for i, j in enumerate((1, 6))], dim=2), (lq, k, v))]
+pairs = []
+for flex_run, exact_run, inputs in runs:
+    got, want = flex_run(), exact_run()
+    pairs.append((got, want))
+    if cuda:
+        dout = torch.randn_like(got)
+        pairs += zip(*[torch.autograd.grad(o, inputs, dout) for o in (got, want)])
+out["window_documents_rel_err"] = [rel(a, b.float()) for a, b in pairs]
 print(json.dumps(out))
 """
 
@@ -280,6 +304,7 @@ def verdicts(results: dict) -> dict:
     staged = get("stager_order", "staged_after_queued_kernels")
     sdpa, flex = get("cp_attention", "sdpa_max_abs_err"), get("cp_attention", "flex_max_abs_err")
     loss, window = get("loss_window", "loss_rel_err"), get("loss_window", "window_rel_err")
+    window_docs = get("loss_window", "window_documents_rel_err")
     return {"stager_ordered": None if staged is None else all(staged),
             "rng_restored": get("rng_own_device", "restored"),
             "grouped_mm_saved": None if get("recompute_grouped_mm", "saved_runs") is None
@@ -290,7 +315,9 @@ def verdicts(results: dict) -> dict:
             "cp_flex_exact": None if flex is None else flex < 0.05,
             # relative errors (norms): bf16 on the GPU against fp32 references
             "fused_loss_exact": None if loss is None else max(loss) < 0.02,
-            "window_flex_exact": None if window is None else max(window) < 0.02}
+            "window_flex_exact": None if window is None else max(window) < 0.02,
+            "window_documents_flex_exact": None if window_docs is None
+            else max(window_docs) < 0.02}
 
 
 SHARED = r"""
