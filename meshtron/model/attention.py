@@ -16,7 +16,7 @@ and document masks for packed sequences that never build an S x S tensor.
   0 <= i - j < window (and, packed, both in one document). CUDA: a FlexAttention block mask of
   the band (of band and documents: built with the document mask, once per forward, shared by
   the sliding blocks); elsewhere `band_attention`: the queries in chunks of `window`, each
-  against the at most 2 x window keys its band reaches, masked by band and document.
+  against the at most 2 x window - 1 keys its band reaches, masked by band and document.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ class DocumentMask:
     """Which keys each query of a packed batch may attend to: earlier tokens of its document.
     Built once per forward (`document_mask`) and shared by every layer."""
 
-    __slots__ = ("doc", "segments", "block_mask", "window", "window_block_mask", "positions")
+    __slots__ = ("doc", "segments", "block_mask", "window_block_mask", "positions")
 
     def __init__(self, doc: torch.Tensor, segments: list[list[tuple[int, int]]] | None,
-                 block_mask=None, window: int = 0, window_block_mask=None,
+                 block_mask=None, window_block_mask=None,
                  positions: torch.Tensor | None = None):
         self.doc = doc
         """[batch, seq] document index of every token (0, 1, ... along each row)."""
@@ -40,8 +40,6 @@ class DocumentMask:
         """CPU path: per batch row, the (start, end) token range of each document."""
         self.block_mask = block_mask
         """CUDA path: FlexAttention's BlockMask for the document-causal mask."""
-        self.window = window
-        """The sliding blocks' window (0: none, or the sequence fits in it)."""
         self.window_block_mask = window_block_mask
         """CUDA path with a window: the BlockMask of band and documents together."""
         self.positions = positions
@@ -67,8 +65,8 @@ def document_mask(doc: torch.Tensor, kernel: str | None = None, window: int = 0,
     window = window if window and doc.shape[1] > window else 0  # else the band is causal
     if kernel == "flex":
         plain = None if window and every_block_slides else _flex_block_mask(doc)
-        return DocumentMask(doc, None, plain, window,
-                            _flex_block_mask(doc, window) if window else None, positions)
+        return DocumentMask(doc, None, plain, _flex_block_mask(doc, window) if window else None,
+                            positions)
     if kernel != "segments":
         raise ValueError(f"kernel={kernel!r}: expected 'flex' or 'segments'")
     # One device->host copy per forward; only on the CPU path, where it costs nothing.
@@ -77,7 +75,7 @@ def document_mask(doc: torch.Tensor, kernel: str | None = None, window: int = 0,
         _, counts = torch.unique_consecutive(row, return_counts=True)
         ends = counts.cumsum(0).tolist()
         rows.append(list(zip([0] + ends[:-1], ends)))
-    return DocumentMask(doc, rows, None, window, None, positions)
+    return DocumentMask(doc, rows, None, None, positions)
 
 
 _COMPILED: dict[str, object] = {}
