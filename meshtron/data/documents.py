@@ -8,7 +8,8 @@ every document, as production trainers do for packed sequences (a sequence then 
 exactly what each of its documents computes alone). Learned absolute position tables (GPT-2
 style) keep their absolute positions; only the mask applies there. The mask is never a dense
 [seq, seq] tensor: FlexAttention's block mask on CUDA, one causal SDPA call per document on CPU
-(meshtron/model/attention.py).
+(meshtron/model/attention.py); sliding-window blocks keep their band inside each document (a
+block mask of both on CUDA, the band's chunks masked by document on CPU).
 """
 
 from __future__ import annotations
