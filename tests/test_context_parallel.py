@@ -8,8 +8,9 @@ selective, a GQA model with YaRN RoPE (global positions matter) runs 3 AdamW ste
 every gradient and every parameter (fp32 tolerance). The same launch counts the collectives of
 one forward + backward (kinds, counts, bytes) against the formula, and checks FlexAttention's
 document block mask (the CUDA path; forward only, as CPU FlexAttention has no backward) against
-the CPU mask path. Bad input: a sequence that does not split into 2*cp chunks, a model with
-learned positions -> one line.
+the CPU mask path, and its sliding-window block masks (windows of 3 and 6, with and without
+documents) against attend_window's CPU path over the real group. Bad input: a sequence that
+does not split into 2*cp chunks, a model with learned positions -> one line.
 """
 
 from __future__ import annotations
