@@ -62,15 +62,21 @@ def batch_to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     return batch.to(device, non_blocking=True)
 
 
-def cpu_backend(record: bool) -> str:
+def cpu_backend(record: bool, say: bool = False) -> str:
     """The backend of a CPU rank's default group: "gloo", or with `record` meshtron doctor's
     recording gloo group (doctor/backend.py: every collective recorded, nothing of torch
-    patched; its sub-groups, e.g. the mesh axes, inherit it)."""
+    patched; its sub-groups, e.g. the mesh axes, inherit it). On a torch whose ProcessGroup
+    cannot be overridden so (2.11) plain gloo, and with `say` one warning line naming it."""
     if not record:
         return "gloo"
-    from meshtron.doctor.backend import register, supported
+    from meshtron.doctor.backend import register, unsupported_line
 
-    return register() if supported() else "gloo"
+    line = unsupported_line()
+    if line is None:
+        return register()
+    if say:
+        print(f"meshtron train: warning: {line}", file=sys.stderr, flush=True)
+    return "gloo"
 
 
 def cpu_threads(local_ranks: int, env: Mapping[str, str] | None = None) -> int:
@@ -101,14 +107,14 @@ def init_rank(world: World, timeout_s: float = 600.0, dump_prefix: str | None = 
     from meshtron.backend import backend_for
 
     device = local_device(world.local_rank)
-    backend = backend_for(device.type)
     if device.type == "cuda":
         for key, value in nccl_env(dump_prefix).items():
             os.environ.setdefault(key, value)
     else:
-        backend = cpu_backend(record)
         torch.set_num_threads(cpu_threads(world.local_world_size))
     if world.source != "single" and not dist.is_initialized():  # a 1-rank world too
+        backend = (backend_for(device.type) if device.type == "cuda"
+                   else cpu_backend(record, say=world.rank == 0))
         kwargs = {}
         if store is not None:
             kwargs = dict(store=store, rank=world.rank, world_size=world.world_size)

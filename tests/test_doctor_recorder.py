@@ -13,7 +13,13 @@ import pytest
 
 from collections import Counter
 
+from meshtron.doctor.backend import unsupported_line
 from testkit.multiproc import run_on_ranks
+
+# torch 2.11's ProcessGroup cannot be overridden for every collective (doctor/backend.py
+# `missing`): ranks then join plain gloo, record nothing, and `meshtron train` says so in one line
+# (tests/test_pipeline_cli.py); the tests of what the recording group records skip there
+RECORDS = pytest.mark.skipif(unsupported_line() is not None, reason=unsupported_line() or "")
 
 LAYOUTS = [{"dp": 2, "zero": 3}, {"tp": 2},
            {"pp": 2, "schedule": "1f1b", "global_batch": 4, "micro_batch": 1}]
@@ -181,6 +187,7 @@ def _many_collectives(n: int) -> int:
     return len(rec.records)
 
 
+@RECORDS
 @pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_recording_group_does_not_deadlock_under_load():
     assert run_on_ranks(_many_collectives, 2, 3000, timeout=240, backend="recorded") == [10, 10]
@@ -214,6 +221,7 @@ def _work_passthrough() -> dict:
     return out
 
 
+@RECORDS
 def test_recorded_work_passes_the_rest_to_gloo():
     r = run_on_ranks(_work_passthrough, 1, timeout=120, backend="recorded")[0]
     assert r["wrapped"] and r["overrides"] == [] and r["same"] == [True] * 4
@@ -241,6 +249,7 @@ def _coalesced() -> tuple[list, list]:
     return values, [(x[2], x[-3]) for x in rec.records]
 
 
+@RECORDS
 def test_coalesced_operations_are_issued_per_pair_under_one_work():
     for rank, (values, ops) in enumerate(run_on_ranks(_coalesced, 2, timeout=120,
                                                       backend="recorded")):
@@ -250,6 +259,7 @@ def test_coalesced_operations_are_issued_per_pair_under_one_work():
                        ("reduce_scatter_coalesced", "completed")]
 
 
+@RECORDS
 @pytest.mark.slow
 def test_recorder_composes_with_inductor():
     """The same with inductor (C++ code generation: gcc, minutes on 2 cores)."""
@@ -257,6 +267,7 @@ def test_recorder_composes_with_inductor():
         _check_compiled(r)
 
 
+@RECORDS
 def test_recorder_sees_what_gloo_and_the_dispatch_mode_see():
     results = run_on_ranks(_records_both_ways, 2, LAYOUTS, timeout=240,
                            env={"TORCH_FR_BUFFER_SIZE": "20000"}, backend="recorded")
@@ -377,3 +388,21 @@ def test_flight_recorder_point_to_point_numbering():
            for r in records_from_trace(fr, 5, groups)]
     assert got == [("send", 6, 1, 1.0), ("recv", 4, 1, 2.0), ("send", 6, 2, 3.0),
                    ("send", 4, 1, 4.0)]
+
+
+def test_a_torch_that_cannot_record_is_named_by_what_it_lacks():
+    """The line a CPU run prints when the installed ProcessGroup lacks a method the recording
+    group overrides (torch 2.11: `all_gather_single` and four more): decided by the class's
+    methods, named with the installed torch's version; None where every method is there."""
+    import torch
+
+    from meshtron.doctor.backend import _OVERRIDDEN
+
+    full = type("FullGroup", (), dict.fromkeys(_OVERRIDDEN, None))
+    older = type("OlderGroup", (), {n: None for n in _OVERRIDDEN if "single" not in n})
+    assert unsupported_line(full) is None
+    line = unsupported_line(older)
+    assert line.startswith(f"torch {torch.__version__}'s ProcessGroup has no all_gather_single, "
+                           f"all_gather_single_coalesced, reduce_scatter_single, "
+                           f"reduce_scatter_single_coalesced, all_to_all_single to override")
+    assert "not recorded" in line and "\n" not in line

@@ -60,9 +60,29 @@ _OVERRIDDEN = ("allreduce", "allreduce_coalesced", "allgather", "all_gather_sing
                "send", "recv")
 
 
-def supported() -> bool:
+def supported(pg_class: type = _PG) -> bool:
     """This torch's ProcessGroup has every method the recording group overrides."""
-    return all(hasattr(_PG, name) for name in _OVERRIDDEN)
+    return not missing(pg_class)
+
+
+def missing(pg_class: type = _PG) -> list[str]:
+    """The overridden methods `pg_class` (this torch's ProcessGroup) lacks. torch 2.11 has none
+    of `all_gather_single`, `reduce_scatter_single`, their `_coalesced` forms and
+    `all_to_all_single` (its trampoline overrides `_allgather_base` for no C++ caller:
+    the functional collectives that DTensor and compiled code issue would go unrecorded)."""
+    return [name for name in _OVERRIDDEN if not hasattr(pg_class, name)]
+
+
+def unsupported_line(pg_class: type = _PG) -> str | None:
+    """What a CPU run is told when this torch cannot record its collectives (None: it can).
+    Named by what is missing and the installed torch's version; decided by `missing`, not by
+    the version."""
+    absent = missing(pg_class)
+    if not absent:
+        return None
+    return (f"torch {torch.__version__}'s ProcessGroup has no {', '.join(absent)} to override: "
+            f"the doctor's recording group is off, this run's collectives are not recorded "
+            f"(plain gloo; torch 2.13 records them)")
 
 
 def register() -> str:
