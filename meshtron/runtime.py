@@ -57,9 +57,17 @@ def batch_to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     (the stream drains once per step). Copied into page-locked memory first (torch's caching
     host allocator: reused buffers, each kept until its copy has run), the copy is one
     asynchronous DMA. Devices without page-locked staging (CPU) copy as before."""
+    return copy_source(batch, device).to(device, non_blocking=True)
+
+
+def copy_source(batch: torch.Tensor, device: torch.device, pin=None) -> torch.Tensor:
+    """The tensor `batch_to_device` copies from: `batch`, or for a pageable host batch bound
+    for a CUDA device its page-locked copy. `pin`: the page-locking kernel (default
+    `torch.Tensor.pin_memory`), injectable so that the CUDA branch runs on a CPU machine (whose
+    torch has no page-locked allocator)."""
     if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
-        batch = batch.pin_memory()
-    return batch.to(device, non_blocking=True)
+        return (torch.Tensor.pin_memory if pin is None else pin)(batch)
+    return batch
 
 
 def cpu_backend(record: bool, say: bool = False) -> str:
@@ -104,8 +112,6 @@ def init_rank(world: World, timeout_s: float = 600.0, dump_prefix: str | None = 
     gloo through meshtron doctor's recording process group (`cpu_backend`). `store`: the
     rendezvous store to use instead of torchrun's environment (restart mode: one namespaced per
     attempt, meshtron.checkpoint.restart)."""
-    from meshtron.backend import backend_for
-
     device = local_device(world.local_rank)
     if device.type == "cuda":
         for key, value in nccl_env(dump_prefix).items():
@@ -113,18 +119,30 @@ def init_rank(world: World, timeout_s: float = 600.0, dump_prefix: str | None = 
     else:
         torch.set_num_threads(cpu_threads(world.local_world_size))
     if world.source != "single" and not dist.is_initialized():  # a 1-rank world too
-        backend = (backend_for(device.type) if device.type == "cuda"
-                   else cpu_backend(record, say=world.rank == 0))
-        kwargs = {}
-        if store is not None:
-            kwargs = dict(store=store, rank=world.rank, world_size=world.world_size)
-        elif world.init_method:  # Slurm: rendezvous at MASTER_ADDR:MASTER_PORT, ranks from srun
-            kwargs = dict(init_method=world.init_method, rank=world.rank,
-                          world_size=world.world_size)
-        if device.type == "cuda":
-            kwargs["device_id"] = device
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        backend, kwargs = group_init_args(world, device, timeout_s, store, record)
+        dist.init_process_group(backend, **kwargs)
     return device
+
+
+def group_init_args(world: World, device: torch.device, timeout_s: float = 600.0,
+                    store: dist.Store | None = None, record: bool = False) -> tuple[str, dict]:
+    """(backend, keyword arguments) of `init_rank`'s `init_process_group` for a rank on
+    `device`. Apart from `init_rank` so that its CUDA branch (NCCL for CUDA tensors, bound to
+    the rank's GPU with `device_id`) runs on a CPU machine too, with the device injected: the
+    call itself needs a GPU."""
+    from meshtron.backend import backend_for
+
+    backend = (backend_for(device.type) if device.type == "cuda"
+               else cpu_backend(record, say=world.rank == 0))
+    kwargs: dict = {"timeout": timedelta(seconds=timeout_s)}
+    if store is not None:
+        kwargs.update(store=store, rank=world.rank, world_size=world.world_size)
+    elif world.init_method:  # Slurm: rendezvous at MASTER_ADDR:MASTER_PORT, ranks from srun
+        kwargs.update(init_method=world.init_method, rank=world.rank,
+                      world_size=world.world_size)
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    return backend, kwargs
 
 
 def abort_rank(exit_code: int) -> None:

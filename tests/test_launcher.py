@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -333,3 +334,26 @@ def test_every_rank_group_is_made_in_one_place():
     assert callers == ["meshtron/rehearse/rank.py", "meshtron/runtime.py"], callers
     assert backend_for("cuda") == "cuda:nccl,cpu:gloo"
     assert backend_for("cpu") == "gloo"
+
+    # the CUDA branch of that one call, run with the device injected: NCCL for CUDA tensors,
+    # gloo for CPU ones, bound to the rank's GPU in every mode (torchrun, restarts' own store,
+    # Slurm's rendezvous URL); CPU ranks: gloo, never a device_id
+    import torch
+    import torch.distributed as dist
+
+    from meshtron.launch import World
+    from meshtron.runtime import group_init_args
+
+    gpu = torch.device("cuda", 3)
+    store = dist.HashStore()
+    modes = {"torchrun": (World(5, 3, 8, "torchrun", 4), None, {}),
+             "restart": (World(5, 3, 8, "torchrun", 4), store,
+                         {"store": store, "rank": 5, "world_size": 8}),
+             "slurm": (World(5, 3, 8, "slurm", 4, "tcp://n0:29500"), None,
+                       {"init_method": "tcp://n0:29500", "rank": 5, "world_size": 8})}
+    for mode, (world, st, where) in modes.items():
+        backend, kwargs = group_init_args(world, gpu, 60.0, st)
+        assert backend == "cuda:nccl,cpu:gloo", mode
+        assert kwargs == {"timeout": timedelta(seconds=60), "device_id": gpu, **where}, mode
+        backend, kwargs = group_init_args(world, torch.device("cpu"), 60.0, st)
+        assert backend == "gloo" and "device_id" not in kwargs, mode
