@@ -35,18 +35,21 @@ def nccl_env(dump_prefix: str | None = None) -> dict[str, str]:
     return env
 
 
-def local_device(local_rank: int | None = None) -> torch.device:
+def local_device(local_rank: int | None = None, gpu=None) -> torch.device:
     """This rank's device: cuda:LOCAL_RANK (modulo the visible GPUs: under Slurm each task may
     see only its own) made current, or the CPU. Also what `build_mesh` calls for Python-API
-    users who did their own init_process_group."""
-    if not torch.cuda.is_available():
+    users who did their own init_process_group. `gpu`: the CUDA device API (`is_available`,
+    `device_count`, `current_device`, `set_device`; default `torch.cuda`), injectable so that
+    the CUDA branch runs on a CPU machine."""
+    gpu = torch.cuda if gpu is None else gpu
+    if not gpu.is_available():
         return torch.device("cpu")
     if local_rank is None:
         if "LOCAL_RANK" not in os.environ:  # not launched per GPU: keep the caller's choice
-            return torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cuda", gpu.current_device())
         local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
+    device = torch.device("cuda", local_rank % gpu.device_count())
+    gpu.set_device(device)
     return device
 
 
