@@ -35,18 +35,21 @@ def nccl_env(dump_prefix: str | None = None) -> dict[str, str]:
     return env
 
 
-def local_device(local_rank: int | None = None) -> torch.device:
+def local_device(local_rank: int | None = None, gpu=None) -> torch.device:
     """This rank's device: cuda:LOCAL_RANK (modulo the visible GPUs: under Slurm each task may
     see only its own) made current, or the CPU. Also what `build_mesh` calls for Python-API
-    users who did their own init_process_group."""
-    if not torch.cuda.is_available():
+    users who did their own init_process_group. `gpu`: the CUDA device API (`is_available`,
+    `device_count`, `current_device`, `set_device`; default `torch.cuda`), injectable so that
+    the CUDA branch runs on a CPU machine."""
+    gpu = torch.cuda if gpu is None else gpu
+    if not gpu.is_available():
         return torch.device("cpu")
     if local_rank is None:
         if "LOCAL_RANK" not in os.environ:  # not launched per GPU: keep the caller's choice
-            return torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cuda", gpu.current_device())
         local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
+    device = torch.device("cuda", local_rank % gpu.device_count())
+    gpu.set_device(device)
     return device
 
 
@@ -57,20 +60,34 @@ def batch_to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     (the stream drains once per step). Copied into page-locked memory first (torch's caching
     host allocator: reused buffers, each kept until its copy has run), the copy is one
     asynchronous DMA. Devices without page-locked staging (CPU) copy as before."""
+    return copy_source(batch, device).to(device, non_blocking=True)
+
+
+def copy_source(batch: torch.Tensor, device: torch.device, pin=None) -> torch.Tensor:
+    """The tensor `batch_to_device` copies from: `batch`, or for a pageable host batch bound
+    for a CUDA device its page-locked copy. `pin`: the page-locking kernel (default
+    `torch.Tensor.pin_memory`), injectable so that the CUDA branch runs on a CPU machine (whose
+    torch has no page-locked allocator)."""
     if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
-        batch = batch.pin_memory()
-    return batch.to(device, non_blocking=True)
+        return (torch.Tensor.pin_memory if pin is None else pin)(batch)
+    return batch
 
 
-def cpu_backend(record: bool) -> str:
+def cpu_backend(record: bool, say: bool = False) -> str:
     """The backend of a CPU rank's default group: "gloo", or with `record` meshtron doctor's
     recording gloo group (doctor/backend.py: every collective recorded, nothing of torch
-    patched; its sub-groups, e.g. the mesh axes, inherit it)."""
+    patched; its sub-groups, e.g. the mesh axes, inherit it). On a torch whose ProcessGroup
+    cannot be overridden so (2.11) plain gloo, and with `say` one warning line naming it."""
     if not record:
         return "gloo"
-    from meshtron.doctor.backend import register, supported
+    from meshtron.doctor.backend import register, unsupported_line
 
-    return register() if supported() else "gloo"
+    line = unsupported_line()
+    if line is None:
+        return register()
+    if say:
+        print(f"meshtron train: warning: {line}", file=sys.stderr, flush=True)
+    return "gloo"
 
 
 def cpu_threads(local_ranks: int, env: Mapping[str, str] | None = None) -> int:
@@ -98,27 +115,37 @@ def init_rank(world: World, timeout_s: float = 600.0, dump_prefix: str | None = 
     gloo through meshtron doctor's recording process group (`cpu_backend`). `store`: the
     rendezvous store to use instead of torchrun's environment (restart mode: one namespaced per
     attempt, meshtron.checkpoint.restart)."""
-    from meshtron.backend import backend_for
-
     device = local_device(world.local_rank)
-    backend = backend_for(device.type)
     if device.type == "cuda":
         for key, value in nccl_env(dump_prefix).items():
             os.environ.setdefault(key, value)
     else:
-        backend = cpu_backend(record)
         torch.set_num_threads(cpu_threads(world.local_world_size))
     if world.source != "single" and not dist.is_initialized():  # a 1-rank world too
-        kwargs = {}
-        if store is not None:
-            kwargs = dict(store=store, rank=world.rank, world_size=world.world_size)
-        elif world.init_method:  # Slurm: rendezvous at MASTER_ADDR:MASTER_PORT, ranks from srun
-            kwargs = dict(init_method=world.init_method, rank=world.rank,
-                          world_size=world.world_size)
-        if device.type == "cuda":
-            kwargs["device_id"] = device
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        backend, kwargs = group_init_args(world, device, timeout_s, store, record)
+        dist.init_process_group(backend, **kwargs)
     return device
+
+
+def group_init_args(world: World, device: torch.device, timeout_s: float = 600.0,
+                    store: dist.Store | None = None, record: bool = False) -> tuple[str, dict]:
+    """(backend, keyword arguments) of `init_rank`'s `init_process_group` for a rank on
+    `device`. Apart from `init_rank` so that its CUDA branch (NCCL for CUDA tensors, bound to
+    the rank's GPU with `device_id`) runs on a CPU machine too, with the device injected: the
+    call itself needs a GPU."""
+    from meshtron.backend import backend_for
+
+    backend = (backend_for(device.type) if device.type == "cuda"
+               else cpu_backend(record, say=world.rank == 0))
+    kwargs: dict = {"timeout": timedelta(seconds=timeout_s)}
+    if store is not None:
+        kwargs.update(store=store, rank=world.rank, world_size=world.world_size)
+    elif world.init_method:  # Slurm: rendezvous at MASTER_ADDR:MASTER_PORT, ranks from srun
+        kwargs.update(init_method=world.init_method, rank=world.rank,
+                      world_size=world.world_size)
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    return backend, kwargs
 
 
 def abort_rank(exit_code: int) -> None:

@@ -44,6 +44,15 @@ PRIVATE_APIS: dict[str, str] = {
         "(parallel/pipeline.py; torch 2.13 name)",
     "torch.distributed.pipelining.stage.PipelineStage._shape_inference":
         "the same on torch before _forward_metadata_inference (2.11)",
+    "torch.distributed.pipelining.stage.PipelineStage._get_init_p2p_neighbors_ops":
+        "a V schedule's neighbour warm-up without the send to its own rank, which gloo cannot "
+        "pair (parallel/pipeline.py; torch 2.11 calls it for every stage, 2.13 only for other "
+        "stage types)",
+    "torch._C._distributed_c10d.ProcessGroup._allgather_base":
+        "the recording group's all-gather under torch 2.11's name (doctor/backend.py `_OLDER`; "
+        "2.13 calls all_gather_single)",
+    "torch._C._distributed_c10d.ProcessGroup._reduce_scatter_base":
+        "the recording group's reduce-scatter under torch 2.11's name (doctor/backend.py)",
     "torch.ops.aten._scaled_dot_product_flash_attention":
         "context parallelism without documents: SDPA's CUDA flash kernel with its "
         "log-sum-exp (parallel/cp_sdpa.py; the masked path without it)",

@@ -178,3 +178,37 @@ def test_calibrate_records_the_device_it_measured(tmp_path):
     assert proc.stderr.count("warning: noisy calibration") == (1 if noisy else 0)
     assert not noisy or max(noisy, key=spread.get) in proc.stderr  # the widest is named
     assert (got.cluster.noise_note() is not None) == bool(noisy)
+
+
+class _Props:
+    """`torch.cuda`'s device query as a GPU node answers it (injected: the CUDA branch of what
+    `meshtron calibrate` records runs on this CPU machine)."""
+
+    def __init__(self, name: str, total_memory: int):
+        self.name, self.total_memory = name, total_memory
+
+    def get_device_properties(self, device):
+        return self
+
+
+def test_calibrate_cuda_branch_records_what_plan_auto_matches():
+    """On a CUDA device `meshtron calibrate` measures in bf16 and records the device's own
+    memory, catalogue entry and name; that record is then the one `--plan auto` takes for the
+    same GPU (saved.applies) and not for another one or the CPU."""
+    import torch
+
+    from meshtron.calibrate.measure import device_figures
+    from meshtron.calibrate.saved import applies
+
+    h200 = device_figures(torch.device("cuda", 0), 8, _Props("NVIDIA H200", int(139.8 * GIB)))
+    assert h200 == {"dtype": torch.bfloat16, "memory_gib": pytest.approx(139.8),
+                    "gpu": "H200-SXM-141GB", "device_name": "NVIDIA H200"}
+    record = {"device": "cuda", **{k: v for k, v in h200.items() if k != "dtype"}}
+    assert applies(record, _node("NVIDIA H200", 139.8))
+    assert not applies(record, _node("NVIDIA H100 80GB HBM3", 79.6))
+    assert not applies(record, _node("cpu", 0, "cpu"))
+    pcie = device_figures(torch.device("cuda", 1), 8, _Props("NVIDIA H100 PCIe", 80 * GIB))
+    assert pcie["gpu"] is None and pcie["device_name"] == "NVIDIA H100 PCIe"
+    cpu = device_figures(torch.device("cpu"), 2)
+    assert (cpu["dtype"], cpu["gpu"], cpu["device_name"]) == (torch.float32, None, "cpu")
+    assert cpu["memory_gib"] > 0

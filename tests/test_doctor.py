@@ -110,7 +110,8 @@ def test_every_fault_kind_live(fault, tmp_path):
 
 def test_train_watchdog_ends_a_hang_and_doctor_names_the_rank(tmp_path):
     run_dir = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=FAULTS,
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([FAULTS, os.environ["PYTHONPATH"]]),
                MESHTRON_TEST_HANG_AT="3", MESHTRON_TEST_HANG_RANK="1")
     proc = subprocess.run(
         [sys.executable, "-m", "meshtron", "train", "--nproc", "2", "--plan", "dp=2",

@@ -56,7 +56,8 @@ def _records(run_dir: Path) -> list[dict]:
 @pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
 def test_hang_in_every_attempt_keeps_each_attempts_dumps(tmp_path):
     run_dir = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=FAULTS,
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([FAULTS, os.environ["PYTHONPATH"]]),
                MESHTRON_TEST_HANG_AT="3", MESHTRON_TEST_HANG_RANK="1")
     proc = subprocess.run([*TRAIN, "--steps", "20", "--checkpoint-every", "2",
                            "--max-restarts", "1", "--watchdog-timeout", "4",
@@ -115,7 +116,9 @@ def test_no_dump_is_said_not_judged(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([*TRAIN, "--steps", "100000", "--run-dir", str(run_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=FAULTS,
+                            env=dict(os.environ, OMP_NUM_THREADS="1",
+                                     PYTHONPATH=os.pathsep.join([FAULTS,
+                                                                 os.environ["PYTHONPATH"]]),
                                      MESHTRON_TEST_STOP_RANK="1"))
     trace = run_dir / "trace"
     dumps = [trace / f"rank_{r}.json" for r in (0, 1)]

@@ -28,7 +28,8 @@ def test_killed_export_leaves_a_folder_a_rerun_accepts(tmp_path):
                       "--run-dir", str(run))
     assert train.returncode == 0, train.stderr[-2000:]
     killed = _meshtron("export", str(run), "--to", str(out),
-                       env={"PYTHONPATH": FAULTS, "MESHTRON_TEST_KILL_AT_COMMIT": "1"})
+                       env={"PYTHONPATH": os.pathsep.join([FAULTS, os.environ["PYTHONPATH"]]),
+                            "MESHTRON_TEST_KILL_AT_COMMIT": "1"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) == \
         ["config.json", "export.json", "model-00000.safetensors"]

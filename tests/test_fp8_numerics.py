@@ -168,3 +168,37 @@ def test_torchao_import_leaves_the_console_quiet():
     assert proc.returncode == 0, proc.stderr
     assert "Enum subclass" not in proc.stderr and "Failed to load" not in proc.stderr, proc.stderr
     assert proc.stdout.split() == ["0", "0"]  # the loggers' levels restored (NOTSET)
+
+
+class _Gpu:
+    """A CUDA device query API with a chosen compute capability: `fp8_emulated`'s CUDA branch
+    run on a CPU machine (the device's capability injected, no torch patched)."""
+
+    def __init__(self, name: str, capability: tuple[int, int]):
+        self.name, self.capability = name, capability
+
+    def get_device_capability(self, device):
+        return self.capability
+
+    def get_device_name(self, device):
+        return self.name
+
+
+def test_fp8_needs_compute_capability_8_9_on_cuda():
+    """The CUDA branch of the FP8 check: native on Ada/Hopper/Blackwell (>= 8.9: no emulation),
+    one line naming the GPU, its capability and what is needed below it (A100: 8.0)."""
+    import torch
+
+    from meshtron.errors import UserError
+    from meshtron.parallel.fp8 import fp8_emulated
+
+    gpu = torch.device("cuda", 0)
+    for capability in ((8, 9), (9, 0), (10, 0), (12, 0)):
+        assert fp8_emulated(gpu, _Gpu("H", capability)) is False
+    with pytest.raises(UserError) as e:
+        fp8_emulated(gpu, _Gpu("NVIDIA A100-SXM4-80GB", (8, 0)))
+    assert str(e.value) == ("dtype='fp8': NVIDIA A100-SXM4-80GB has compute capability 8.0; "
+                            "FP8 training needs >= 8.9 (Ada, Hopper, Blackwell); use bf16")
+    assert fp8_emulated(torch.device("cpu")) is True
+    with pytest.raises(UserError, match="device 'meta' has no FP8 support"):
+        fp8_emulated(torch.device("meta"))

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -333,3 +334,68 @@ def test_every_rank_group_is_made_in_one_place():
     assert callers == ["meshtron/rehearse/rank.py", "meshtron/runtime.py"], callers
     assert backend_for("cuda") == "cuda:nccl,cpu:gloo"
     assert backend_for("cpu") == "gloo"
+
+    # the CUDA branch of that one call, run with the device injected: NCCL for CUDA tensors,
+    # gloo for CPU ones, bound to the rank's GPU in every mode (torchrun, restarts' own store,
+    # Slurm's rendezvous URL); CPU ranks: gloo, never a device_id
+    import torch
+    import torch.distributed as dist
+
+    from meshtron.launch import World
+    from meshtron.runtime import group_init_args
+
+    gpu = torch.device("cuda", 3)
+    store = dist.HashStore()
+    modes = {"torchrun": (World(5, 3, 8, "torchrun", 4), None, {}),
+             "restart": (World(5, 3, 8, "torchrun", 4), store,
+                         {"store": store, "rank": 5, "world_size": 8}),
+             "slurm": (World(5, 3, 8, "slurm", 4, "tcp://n0:29500"), None,
+                       {"init_method": "tcp://n0:29500", "rank": 5, "world_size": 8})}
+    for mode, (world, st, where) in modes.items():
+        backend, kwargs = group_init_args(world, gpu, 60.0, st)
+        assert backend == "cuda:nccl,cpu:gloo", mode
+        assert kwargs == {"timeout": timedelta(seconds=60), "device_id": gpu, **where}, mode
+        backend, kwargs = group_init_args(world, torch.device("cpu"), 60.0, st)
+        assert backend == "gloo" and "device_id" not in kwargs, mode
+
+
+class _Gpus:
+    """`torch.cuda`'s device API on a node with `count` visible GPUs (injected: the CUDA
+    branch of `local_device` runs on this CPU machine); records the devices made current."""
+
+    def __init__(self, count: int):
+        self.count, self.current = count, []
+
+    def is_available(self):
+        return self.count > 0
+
+    def device_count(self):
+        return self.count
+
+    def current_device(self):
+        return 0
+
+    def set_device(self, device):
+        self.current.append(device)
+
+
+def test_a_rank_takes_its_local_gpu_and_makes_it_current(monkeypatch):
+    """A rank's device on a GPU node: cuda:LOCAL_RANK, modulo the GPUs it sees (Slurm may show
+    each task only its own), made current before its group binds to it (`device_id`); the
+    CPU where no GPU is visible; the caller's current GPU outside a per-GPU launch."""
+    import torch
+
+    from meshtron.runtime import local_device
+
+    gpus = _Gpus(4)
+    assert [local_device(r, gpus) for r in (0, 3, 5)] == \
+        [torch.device("cuda", 0), torch.device("cuda", 3), torch.device("cuda", 1)]
+    assert gpus.current == [torch.device("cuda", 0), torch.device("cuda", 3),
+                            torch.device("cuda", 1)]
+    one = _Gpus(1)  # Slurm: one GPU per task
+    assert local_device(6, one) == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert local_device(None, gpus) == torch.device("cuda", 2)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert local_device(None, gpus) == torch.device("cuda", 0)
+    assert local_device(1, _Gpus(0)) == torch.device("cpu")

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from meshtron.doctor.backend import unsupported_line
 from meshtron.train.cli import SCHEDULES
 
 RUN = ["--model", "debug", "--set", "model.layers=4", "--seq-len", "32", "--global-batch", "8",
@@ -33,6 +34,10 @@ def _train(run_dir, *argv, steps=2) -> list[dict]:
                            "--run-dir", str(run_dir), *argv],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # a torch whose ProcessGroup the doctor cannot record through (2.11) is named once, by rank
+    # 0, on multi-rank runs only (a one-process run makes no group)
+    said = proc.stderr.count("this run's collectives are not recorded")
+    assert said == ("--nproc" in argv and unsupported_line() is not None), proc.stderr[-3000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if "event" not in json.loads(line)]
 

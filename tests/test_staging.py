@@ -137,3 +137,30 @@ def test_a_closed_stager_stages_again_and_keeps_every_leaf():
     assert second["meta"] == {"kind": torch.Tensor, "name": "x", "n": 2}
     assert isinstance(second["pair"], Pair) and second["pair"].b == 5
     assert torch.equal(second["items"][0], torch.arange(3)) and second["items"][1] is None
+
+
+def test_page_locked_buffers_are_made_once_and_reused():
+    """The CUDA path's host buffers (page-locked there), run on CPU with the allocator
+    injected beside the stream API: one buffer per tensor leaf at the first save, the same
+    buffers at the next save of the same shapes (no allocation per checkpoint), a new one
+    only where a shape changed; each save's values are its own state's."""
+    made = []
+
+    def host_empty(shape, dtype):
+        made.append((tuple(shape), dtype))
+        return torch.empty(shape, dtype=dtype)
+
+    stager = OrderedStager(staging_thread=True, streams=RecordingStreams(), host_empty=host_empty)
+    state = _state()
+    try:
+        first = stager.stage(state).result(timeout=60)
+        assert sorted(made) == [((), torch.int64), ((3, 4), torch.float32)]
+        state["model"]["w"].add_(1.0)
+        second = stager.stage(state).result(timeout=60)
+        assert len(made) == 2 and second["model"]["w"] is first["model"]["w"]
+        assert torch.equal(second["model"]["w"], torch.arange(12.0).reshape(3, 4) + 1)
+        state["model"]["w"] = torch.zeros(2, 2)
+        third = stager.stage(state).result(timeout=60)
+        assert made[2:] == [((2, 2), torch.float32)] and torch.equal(third["step"], torch.tensor(3))
+    finally:
+        stager.close()

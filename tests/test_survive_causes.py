@@ -238,7 +238,8 @@ def test_rank_killed_during_the_preemption_save_is_dead(tmp_path):
         [*TRAIN, "--steps", "400", "--run-dir", str(run_dir), "--checkpoint-every", "1000"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, OMP_NUM_THREADS="1", MESHTRON_TEST_SLOW_WRITE_S="3",
-                 PYTHONPATH=str(Path(__file__).parent / "checkpoint_faults")))
+                 PYTHONPATH=os.pathsep.join([str(Path(__file__).parent / "checkpoint_faults"),
+                                                os.environ["PYTHONPATH"]])))
     _wait(lambda: _last_step(run_dir) >= 3 and len(rank_pids(run_dir)) == 2, proc)
     victim = rank_pids(run_dir)[1]
     proc.terminate()

@@ -145,3 +145,26 @@ def test_batch_to_device_leaves_a_host_batch_alone_on_cpu():
     batch = torch.arange(12).view(3, 4)
     assert batch_to_device(batch, torch.device("cpu")) is batch
     assert not batch.is_pinned()
+
+
+def test_batch_bound_for_cuda_is_page_locked_first():
+    """The CUDA branch of the batch copy, run on CPU with the page-locking kernel injected: a
+    pageable host batch bound for a GPU is page-locked once (then copied asynchronously);
+    a batch bound for the CPU, or already on a device, is not."""
+    import torch
+
+    from meshtron.runtime import copy_source
+
+    locked = []
+
+    def pin(t):
+        locked.append(t)
+        return t.clone()
+
+    batch = torch.arange(12).view(3, 4)
+    staged = copy_source(batch, torch.device("cuda", 1), pin)
+    assert locked == [batch] and staged is not batch and torch.equal(staged, batch)
+    assert copy_source(batch, torch.device("cpu"), pin) is batch
+    on_device = torch.empty(3, 4, device="meta")
+    assert copy_source(on_device, torch.device("cuda", 1), pin) is on_device
+    assert len(locked) == 1

@@ -392,6 +392,12 @@ TORCH_TESTS = ["tests/test_torch_compat.py", "tests/test_device_init.py", "tests
                "output",
                "tests/test_context_parallel.py::test_flash_chunks_trace_under_fullgraph_compile",
                "tests/test_launcher.py::test_torchrun_argv_parses_with_torchruns_own_parser",
+               "tests/test_launcher.py::test_every_rank_group_is_made_in_one_place",
+               "tests/test_launcher.py::test_a_rank_takes_its_local_gpu_and_makes_it_current",
+               "tests/test_fp8_numerics.py::test_fp8_needs_compute_capability_8_9_on_cuda",
+               "tests/test_train_syncs.py::test_batch_bound_for_cuda_is_page_locked_first",
+               "tests/test_doctor_recorder.py::test_recording_group_is_judged_by_the_methods_"
+               "torch_has",
                "tests/test_context_parallel.py::test_without_documents_each_chunk_runs_the_"
                "flash_kernels_without_a_mask"]
 

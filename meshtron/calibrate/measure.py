@@ -346,22 +346,21 @@ def measure_level(group, device: torch.device, dtype: torch.dtype, sizes: list[i
 
 
 # ---- the whole calibration ---------------------------------------------------------------------
-def memory_per_rank_gib(device: torch.device, local_ranks: int) -> float:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory / 2**30
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return total / local_ranks / 2**30
-
-
-def catalogue_gpu(device: torch.device) -> str | None:
-    """The catalogue entry of this CUDA device (calibrate/device.py's name and memory rules,
-    the same ones `--plan auto` detects it by), if any."""
+def device_figures(device: torch.device, local_ranks: int, gpu=None) -> dict[str, Any]:
+    """What a calibration records about its device: the dtype it measures in, the memory per
+    rank, the catalogue entry of a CUDA device (calibrate/device.py's name and memory rules,
+    the same ones `--plan auto` detects it by) and the device's name. `gpu`: the CUDA device
+    query API (`get_device_properties`; default `torch.cuda`), injectable so that the CUDA
+    branch runs on a CPU machine."""
     if device.type != "cuda":
-        return None
-    from meshtron.calibrate.device import catalogue_gpu as by_name
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return {"dtype": torch.float32, "memory_gib": total / local_ranks / 2**30, "gpu": None,
+                "device_name": device_name(device)}
+    from meshtron.calibrate.device import catalogue_gpu
 
-    props = torch.cuda.get_device_properties(device)
-    return by_name(props.name, props.total_memory)
+    props = (torch.cuda if gpu is None else gpu).get_device_properties(device)
+    return {"dtype": torch.bfloat16, "memory_gib": props.total_memory / 2**30,
+            "gpu": catalogue_gpu(props.name, props.total_memory), "device_name": props.name}
 
 
 def _across_ranks(values: list[float], device: torch.device, op) -> list[float]:
@@ -400,22 +399,22 @@ def calibrate(device: torch.device, sizes: list[int] | None = None) -> Calibrati
     `sizes`: message sizes of the collective sweep (default: CPU_SIZES or GPU_SIZES)."""
     n = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    if n > 1:
-        dist.barrier()  # measure all ranks at once: they share cores and memory
-    single = _single_device(device, dtype)
     local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", n))
     hosts: list[Any] = [socket.gethostname()] * n
     if n > 1:
         dist.all_gather_object(hosts, socket.gethostname())
     nodes = node_of_ranks(hosts, local_ws)
     intra, inter = level_groups(nodes)
+    figures = device_figures(device, len(intra[0]))
+    dtype = figures.pop("dtype")
+    if n > 1:
+        dist.barrier()  # measure all ranks at once: they share cores and memory
+    single = _single_device(device, dtype)
     cal = Calibration(world_size=n, device=device.type,
                       backend=dist.get_backend() if n > 1 else "none",
                       dtype=str(dtype).removeprefix("torch."),
-                      memory_gib=memory_per_rank_gib(device, len(intra[0])),
                       gpus_per_node=min(len(g) for g in intra), nodes=len(intra),
-                      gpu=catalogue_gpu(device), device_name=device_name(device), **single)
+                      **figures, **single)
     sizes = sizes or (CPU_SIZES if device.type == "cpu" else GPU_SIZES)
     if len(intra[0]) > 1:
         group = _my_group(intra, rank) if len(intra) > 1 else None

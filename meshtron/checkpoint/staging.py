@@ -41,16 +41,24 @@ class OrderedStager:
     `streams`: the device's stream API (`torch.cuda` on CUDA, None on the CPU, where copies
     need no ordering); injectable so the ordering is tested on a CPU machine.
     `staging_thread` False: copy on the calling thread inside `stage` (bench/checkpoint_save.py
-    compares)."""
+    compares). `host_empty(shape, dtype)`: the allocator of the host buffers (default:
+    page-locked when `streams` is given and CUDA is available, else pageable); injectable so
+    that the page-locked path (allocated once per leaf, reused by later saves) runs on a CPU
+    machine, whose torch has no page-locked allocator."""
 
     # dcp.async_save must not wait for the copy: the next optimizer step does (wait_staging).
     _synchronize_after_execute = False
 
-    def __init__(self, staging_thread: bool = True, streams: Any = None):
+    def __init__(self, staging_thread: bool = True, streams: Any = None, host_empty: Any = None):
         import torch
 
         self._streams = streams
-        self._pin = streams is not None and torch.cuda.is_available()
+        if host_empty is None:
+            pin = streams is not None and torch.cuda.is_available()
+
+            def host_empty(shape, dtype):
+                return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+        self._host_empty = host_empty
         self._staging_thread = staging_thread
         self._executor = None
         self._buffers: dict[tuple, Any] = {}
@@ -107,12 +115,9 @@ class OrderedStager:
     def _host(self, path: tuple, tensor: Any) -> Any:
         """`tensor`'s value in this path's host buffer. A blocking copy: on CUDA it waits for
         the copy stream only (a non-blocking one would need a device-wide sync after)."""
-        import torch
-
         buf = self._buffers.get(path)
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
-                              pin_memory=self._pin)
+            buf = self._host_empty(tensor.shape, tensor.dtype)
             self._buffers[path] = buf
         buf.copy_(tensor.detach())
         return buf

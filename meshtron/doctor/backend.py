@@ -51,18 +51,45 @@ _recorder = None  # the attached CollectiveRecorder (one per process), or None
 _register_lock = threading.Lock()
 
 
-# The ProcessGroup methods overridden below, by the names pybind's trampoline looks up (torch
-# 2.13). A torch whose ProcessGroup lacks them would call its base methods with the GIL held
-# (see the comment above the collectives): `supported()` then says no and ranks use plain gloo.
+# The ProcessGroup methods overridden below, by the names pybind's trampoline and the Python
+# API look up: torch 2.13's, or torch 2.11's for the five it renamed (`_OLDER`; 2.11's
+# `dist.all_gather_into_tensor` calls `_allgather_base`, its functional all-gather reaches the
+# trampoline as `allgather_into_tensor_coalesced`, one pair). A torch whose ProcessGroup has
+# neither name of one would call its base methods with the GIL held (see the comment above the
+# collectives): `supported()` then says no and ranks use plain gloo.
 _OVERRIDDEN = ("allreduce", "allreduce_coalesced", "allgather", "all_gather_single",
                "all_gather_single_coalesced", "reduce_scatter", "reduce_scatter_single",
                "reduce_scatter_single_coalesced", "all_to_all_single", "broadcast", "barrier",
                "send", "recv")
+_OLDER = {"all_gather_single": "_allgather_base",
+          "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+          "reduce_scatter_single": "_reduce_scatter_base",
+          "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+          "all_to_all_single": "alltoall_base"}
 
 
-def supported() -> bool:
+def supported(pg_class: type = _PG) -> bool:
     """This torch's ProcessGroup has every method the recording group overrides."""
-    return all(hasattr(_PG, name) for name in _OVERRIDDEN)
+    return not missing(pg_class)
+
+
+def missing(pg_class: type = _PG) -> list[str]:
+    """The overridden methods `pg_class` (this torch's ProcessGroup) has under neither its torch
+    2.13 name nor its torch 2.11 one."""
+    return [name for name in _OVERRIDDEN
+            if not hasattr(pg_class, name) and not hasattr(pg_class, _OLDER.get(name, name))]
+
+
+def unsupported_line(pg_class: type = _PG) -> str | None:
+    """What a CPU run is told when this torch cannot record its collectives (None: it can).
+    Named by what is missing and the installed torch's version; decided by `missing`, not by
+    the version."""
+    absent = missing(pg_class)
+    if not absent:
+        return None
+    return (f"torch {torch.__version__}'s ProcessGroup has no {', '.join(absent)} to override: "
+            f"the doctor's recording group is off, this run's collectives are not recorded "
+            f"(plain gloo)")
 
 
 def register() -> str:
@@ -286,6 +313,33 @@ class RecordingProcessGroup(_PG):
     def recv(self, tensors, src: int, tag: int):
         rec = self._begin("recv", tensors, peer=src)
         return self._end(rec, self._backend.recv(tensors, src, tag), tensors)
+
+    # -- torch 2.11's names of five of them (`_OLDER`): the same operations, recorded alike.
+    # 2.13 calls only its own names (its trampoline falls back to these only where a subclass
+    # lacks the new one). 2.11's functional all-gather and reduce-scatter of one tensor arrive
+    # as a coalesced call with one pair: recorded under the single operation's name, as 2.13
+    # records them, so that both torches' records of one step read alike.
+    def _allgather_base(self, output, input, opts=None):
+        return self.all_gather_single(output, input, opts or dist.AllgatherOptions())
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        return self.reduce_scatter_single(output, input, opts or dist.ReduceScatterOptions())
+
+    def alltoall_base(self, output, input, output_splits, input_splits, opts=None):
+        return self.all_to_all_single(output, input, output_splits, input_splits,
+                                      opts or dist.AllToAllOptions())
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        if len(outputs) == 1:
+            return self.all_gather_single(outputs[0], inputs[0], opts)
+        return self.all_gather_single_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        if len(outputs) == 1:
+            return self.reduce_scatter_single(outputs[0], inputs[0], opts)
+        return self.reduce_scatter_single_coalesced(outputs, inputs, opts)
 
     def start_coalescing(self, device) -> None:
         self._backend._start_coalescing(device)

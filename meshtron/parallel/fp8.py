@@ -59,15 +59,18 @@ def _torchao_float8():
     return f8
 
 
-def fp8_emulated(device: torch.device) -> bool:
+def fp8_emulated(device: torch.device, gpu=None) -> bool:
     """Whether FP8 runs emulated on `device` (CPU), natively (CUDA >= 8.9), or not at all: raises
-    UserError (one line, exit 2) for a CUDA device without FP8 tensor cores or another device."""
+    UserError (one line, exit 2) for a CUDA device without FP8 tensor cores or another device.
+    `gpu`: the device query API (`get_device_capability`, `get_device_name`; default
+    `torch.cuda`), injectable so that the CUDA branch runs on a CPU machine."""
     if device.type == "cpu":
         return True
     if device.type == "cuda":
-        cap = torch.cuda.get_device_capability(device)
+        gpu = torch.cuda if gpu is None else gpu
+        cap = gpu.get_device_capability(device)
         if tuple(cap) < MIN_CAPABILITY:
-            raise UserError(f"dtype='fp8': {torch.cuda.get_device_name(device)} has compute "
+            raise UserError(f"dtype='fp8': {gpu.get_device_name(device)} has compute "
                             f"capability {cap[0]}.{cap[1]}; FP8 training needs >= "
                             f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ada, Hopper, Blackwell); "
                             "use bf16")

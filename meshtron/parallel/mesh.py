@@ -169,7 +169,7 @@ def _expert_meshes(mesh, p: Plan) -> ExpertMeshes:
             f"plan.ep={p.ep} (the expert-parallel mesh)")
     cp = p.cp
     if p.zero < 2:  # dp on "dp_replicate" (cp > 1 needs ZeRO-2/3: plan_rules)
-        split = mesh._unflatten("dp_replicate", (p.dp // p.ep, p.ep), ("dp_mod_ep", "ep"))
+        split = _unflatten(mesh, "dp_replicate", (p.dp // p.ep, p.ep), ("dp_mod_ep", "ep"))
         names = {"ep": split["ep"], "dp_mod_ep": split["dp_mod_ep"]}
         # ZeRO-0: FSDP2's HSDP path with shards of one rank (one all-reduce per step); with
         # ep = dp there is no replica and the 1-D mesh of one rank issues no collective (the
@@ -179,18 +179,26 @@ def _expert_meshes(mesh, p: Plan) -> ExpertMeshes:
         return ExpertMeshes(names["ep"], fsdp, names, "dp_mod_ep")
     mod = p.dp_shard * cp // p.ep
     if cp == 1:
-        split = mesh._unflatten("dp_shard", (mod, p.ep), ("dp_shard_mod_ep", "ep"))
+        split = _unflatten(mesh, "dp_shard", (mod, p.ep), ("dp_shard_mod_ep", "ep"))
         ep = split["ep"]
         names = {"ep": ep}
     else:  # ep = (dp_shard_in_ep, cp): the cp ranks of a sequence route into the same experts
         inner = p.ep // cp
-        split = mesh._unflatten("dp_shard", (mod, inner), ("dp_shard_mod_ep", "dp_shard_in_ep"))
+        split = _unflatten(mesh, "dp_shard", (mod, inner), ("dp_shard_mod_ep", "dp_shard_in_ep"))
         ep = split["dp_shard_in_ep", "cp"]._flatten("ep")
         names = {"ep": ep, "dp_shard_in_ep": split["dp_shard_in_ep"]}
     names["dp_shard_mod_ep"] = split["dp_shard_mod_ep"]
     fsdp = (split["dp_replicate", "dp_shard_mod_ep"] if p.replicas > 1
             else split["dp_shard_mod_ep"])
     return ExpertMeshes(ep, fsdp, names, "dp_shard_mod_ep")
+
+
+def _unflatten(mesh, axis: str, sizes: tuple[int, ...], names: tuple[str, ...]):
+    """`mesh._unflatten` of the axis named `axis`, given by its index: torch 2.11's
+    `DeviceMesh._unflatten` refuses every axis given by name (its check is inverted: "dim
+    dp_shard specified in `_unflatten` is not in ('pp', 'dp_replicate', 'dp_shard', 'tp')"),
+    which stopped every expert-parallel run on 2.11; 2.13 takes either."""
+    return mesh._unflatten(list(mesh.mesh_dim_names).index(axis), sizes, names)
 
 
 def expert_meshes(mesh) -> ExpertMeshes | None:

@@ -135,9 +135,35 @@ def pipeline_stage(module: nn.Module, stage: int, lay: Plan, pp_group, device: t
     st = PipelineStage(module, stage, lay.num_stages, device, group=pp_group)
     _uncounted_metadata_forward(st, module)
     _local_backward_only_with_backward(st)
+    _no_self_p2p_at_init(st)
     if splits_backward(lay):
         _weight_grads_into_reduce_dtype(st)
     return st
+
+
+def _no_self_p2p_at_init(st) -> None:
+    """Drop the send and receive to this rank itself from the neighbour warm-up a schedule runs
+    before its first step, on this stage object only.
+
+    Why: torch 2.11's `_initialize_stages` (schedules.py) batches every local stage's
+    `_get_init_p2p_neighbors_ops` (stage.py): a dummy send to the next stage's rank and a receive
+    from the previous one's, each way. Where a rank holds two adjacent stages (ZBV's V: rank pp-1
+    holds stages pp-1 and pp) the peer is the rank itself, and gloo has no pair to itself: `meshtron
+    train --nproc 2 --plan pp=2 --schedule zbv` stopped at its first step ("Pair is not connected").
+    The ops only warm up the communicators of real neighbours; adjacent stages on one rank hand
+    their tensors over in memory (schedules.py [Note: V-schedule special case]), so a self pair is
+    never used, on NCCL either. Both halves of each self pair are local, so dropping them keeps
+    every remaining send matched by its receive. torch 2.13 warms up through a vote
+    (schedules.py `_warmup_p2p`) and calls this method only for other stage types, so there the
+    wrapper is never called. Feature-detected on the stage object."""
+    init_ops = getattr(st, "_get_init_p2p_neighbors_ops", None)
+    if not callable(init_ops):
+        return
+
+    def _get_init_p2p_neighbors_ops():
+        return [op for op in init_ops() if op.group_peer != st.group_rank]
+
+    st._get_init_p2p_neighbors_ops = _get_init_p2p_neighbors_ops
 
 
 def _weight_grads_into_reduce_dtype(st) -> None:
