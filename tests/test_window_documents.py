@@ -146,3 +146,28 @@ def test_packed_documents_equal_each_document_alone():
                                            atol=2e-6)
         whole = model(tokens)  # without the document mask the logits differ
     assert (whole - packed).abs().max() > 1e-3
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("every", [6, 0])
+def test_model_flex_document_masks_equal_the_cpu_path(every):
+    """What a GPU runs, layer by layer, on CPU (`Transformer.document_kernel = "flex"`: eager
+    FlexAttention, forward): a Gemma-3-style model (every=6: the sliding blocks' band-and-
+    document block mask, the global block's document mask) and one whose every block slides
+    (every=0, Mistral's: no plain document mask is built) give the CPU path's logits."""
+    from meshtron.model.transformer import Transformer, document_context
+
+    spec = _gemma3_like().replace(window_every=every)
+    model = Transformer(spec, init_seed=5)
+    model.document_eos = eos = spec.vocab - 1
+    tokens = torch.randint(0, eos, (2, 24), generator=torch.Generator().manual_seed(3))
+    tokens[0, [6, 15]] = eos
+    tokens[1, 10] = eos
+    with torch.no_grad():
+        want = model(tokens)
+        model.document_kernel = "flex"
+        got = model(tokens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    _, mask = document_context(tokens, eos, None, spec, "flex")  # the masks the GPU builds
+    assert mask.window_block_mask is not None
+    assert (mask.block_mask is None) == (every == 0)
