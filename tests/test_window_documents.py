@@ -6,8 +6,11 @@ compared with SDPA under that dense [seq, seq] mask (built here only): the CPU k
 keys) forward and backward, and the CUDA branches' FlexAttention block masks run eagerly on
 CPU (forward only: CPU FlexAttention has no backward). Odd cases: a window longer than the
 sequence, windows shorter than a context-parallel chunk, documents crossing chunk borders.
-The model: a packed row's logits equal each document's run alone (positions restart, Gemma
-3's sliding blocks rotating with their own base)."""
+The model: a packed row's logits equal each document's run alone (Gemma 3's sliding blocks
+rotating with their own base), and the block masks a GPU gives each layer (injected on CPU)
+equal the CPU path. RoPE scores depend on i - j only and every attended pair lies in one
+document, so no test here can see whether positions restart per document (they do, as
+transformers' packed position_ids): global positions would give the same logits."""
 
 from __future__ import annotations
 

@@ -127,7 +127,9 @@ class AttentionContext:
     slides or the sequence fits in the window (then the band is causal attention)."""
     positions: torch.Tensor | None = None
     """RoPE positions of this rank's tokens: [seq/cp] global, or [batch, seq/cp] inside their
-    documents (the rows a second RoPE table is read at: Gemma 3's sliding blocks)."""
+    documents (the rows a second RoPE table is read at: Gemma 3's sliding blocks). Under the
+    document mask the logits are the same either way (RoPE scores depend on i - j, and both
+    lie in one document); in-document positions keep the table within a document's length."""
     seq: int = 0
     """The whole sequence's length."""
 
