@@ -158,9 +158,9 @@ def test_planner_agrees_with_rehearsal_on_windows_under_cp():
     """Sliding windows under context parallelism (refused before session 49): each rank's
     sliding blocks run the CPU's band chunks over the gathered K/V. Measured (review49,
     planner vs rehearsal): mistral +2.5%, -0.5% (cp 2, 4); starcoder2 +3.1%, -1.9%; phi3 -1.1%,
-    -0.7%; gemma3_text +0.8%, -4.7% (at cp 4 seq/cp equals the window: the planner, which
-    decides by the rank's seq/cp, counts no band masks or chunk copy; the runtime decides by
-    the whole sequence; REVIEW49.md item 4)."""
+    -0.7%; gemma3_text +0.8%, -4.7%. The same Gemma 3 without a window gives -0.0%, -4.6%
+    (llama +0.2%, -2.6%): the gap at cp 4 is context parallelism's, not the window's
+    (REVIEW49.md item 4)."""
     cases = {f"{kind}, {name}": ({**MODELS[kind][0], **MODELS[kind][1]}, knobs)
              for kind in WINDOW_KINDS for name, knobs in CP_LAYOUTS.items()}
     check_totals(run_kinds(RUN_KINDS, [BASE, cases]), "rehearsal", digits=4)
