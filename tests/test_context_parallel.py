@@ -174,6 +174,35 @@ def _flex_matches_mask_path(group, cp, rank) -> float:
     return worst
 
 
+def _flex_model_matches_mask_path(group) -> dict:
+    """What a GPU runs under CP, layer by layer (`ContextParallel.kernel = "flex"`: the block
+    masks `context` hands each layer, eager FlexAttention, forward) against the CPU path: a
+    Gemma-3-style debug model (block 0 slides in a window of 3, shorter than a chunk of 4, at a
+    RoPE base of its own; block 1 global) and an all-sliding one (a window of 6: no plain
+    document mask built), with and without documents. Returns the worst logit difference and
+    which block masks were built (the flex path must have run)."""
+    from meshtron.model.transformer import Transformer
+    from meshtron.parallel.context import apply_context_parallel, shard_batch
+
+    out = {"worst": 0.0, "blocks": {}}
+    for window, every in ((3, 2), (6, 0)):
+        spec = _spec().replace(sliding_window=window, window_every=every, rope_local_theta=100.0)
+        for documents in (False, True):
+            model = Transformer(spec, init_seed=7)
+            model.document_eos = EOS if documents else None
+            cp = apply_context_parallel(model, group)
+            tokens = shard_batch(_batches()[0][0], None, cp.cp, cp.rank).tokens
+            with torch.no_grad():
+                want = model(tokens)
+                cp.kernel = "flex"
+                got = model(tokens)
+                ctx = cp.context(tokens, model)
+            out["worst"] = max(out["worst"], (got - want).abs().max().item())
+            out["blocks"][every, documents] = (ctx.attend.keywords["block"] is not None,
+                                               ctx.window_attend.keywords["block"] is not None)
+    return out
+
+
 # (dtype, cp, documents, recompute): the default suite runs one of each kind; float64 shows the
 # computation is the single-process function up to rounding.
 DEFAULT_CASES = [("float32", 4, False, "none"), ("float32", 4, True, "selective"),
@@ -209,6 +238,7 @@ def cp_rank_fn(cases: list[tuple]) -> dict:
     out["collectives"] = {(doc, rc): _count_collectives(dist.group.WORLD, 4, doc, rc)
                           for doc in (False, True) for rc in ("none", "full", "selective")}
     out["flex"] = _flex_matches_mask_path(dist.group.WORLD, 4, rank)
+    out["flex_model"] = _flex_model_matches_mask_path(dist.group.WORLD)
     return out
 
 
@@ -238,6 +268,12 @@ def _check(results: list[dict]) -> None:
             assert (worst["loss"] < tol[0] and worst["grad"] < tol[1]
                     and worst["param"] < tol[2]), (rank, key, worst)
         assert res["flex"] < 1e-5, (rank, res["flex"])
+        # (global blocks' document mask, sliding blocks' band mask) built; none for global
+        # blocks without documents (flash kernels) or where every block slides
+        assert res["flex_model"]["worst"] < 1e-5, (rank, res["flex_model"])
+        assert res["flex_model"]["blocks"] == {(2, False): (False, True), (2, True): (True, True),
+                                               (0, False): (False, True),
+                                               (0, True): (False, True)}, res["flex_model"]
     spec = _spec()
     # Per layer, forward: all-gather of K and of V, each the full sequence's kv heads in fp32;
     # backward: one reduce-scatter each of the same size (its input; a rank receives 1/cp).

@@ -6,8 +6,11 @@ compared with SDPA under that dense [seq, seq] mask (built here only): the CPU k
 keys) forward and backward, and the CUDA branches' FlexAttention block masks run eagerly on
 CPU (forward only: CPU FlexAttention has no backward). Odd cases: a window longer than the
 sequence, windows shorter than a context-parallel chunk, documents crossing chunk borders.
-The model: a packed row's logits equal each document's run alone (positions restart, Gemma
-3's sliding blocks rotating with their own base)."""
+The model: a packed row's logits equal each document's run alone (Gemma 3's sliding blocks
+rotating with their own base), and the block masks a GPU gives each layer (injected on CPU)
+equal the CPU path. RoPE scores depend on i - j only and every attended pair lies in one
+document, so no test here can see whether positions restart per document (they do, as
+transformers' packed position_ids): global positions would give the same logits."""
 
 from __future__ import annotations
 
@@ -146,3 +149,28 @@ def test_packed_documents_equal_each_document_alone():
                                            atol=2e-6)
         whole = model(tokens)  # without the document mask the logits differ
     assert (whole - packed).abs().max() > 1e-3
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("every", [2, 0])
+def test_model_flex_document_masks_equal_the_cpu_path(every):
+    """What a GPU runs, layer by layer, on CPU (`Transformer.document_kernel = "flex"`: eager
+    FlexAttention, forward): a Gemma-3-style model (every=2: the sliding block's band-and-
+    document block mask, the global block's document mask) and one whose every block slides
+    (every=0, Mistral's: no plain document mask is built) give the CPU path's logits."""
+    from meshtron.model.transformer import Transformer, document_context
+
+    spec = _gemma3_like().replace(layers=2, window_every=every)
+    model = Transformer(spec, init_seed=5)
+    model.document_eos = eos = spec.vocab - 1
+    tokens = torch.randint(0, eos, (2, 24), generator=torch.Generator().manual_seed(3))
+    tokens[0, [6, 15]] = eos
+    tokens[1, 10] = eos
+    with torch.no_grad():
+        want = model(tokens)
+        model.document_kernel = "flex"
+        got = model(tokens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    _, mask = document_context(tokens, eos, None, spec, "flex")  # the masks the GPU builds
+    assert mask.window_block_mask is not None
+    assert (mask.block_mask is None) == (every == 0)

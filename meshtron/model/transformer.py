@@ -299,6 +299,11 @@ class Transformer(nn.Module):
     """Set (to the tokenizer's end-of-text id) for packed documents: attention stays inside
     each document and RoPE positions restart at 0 after every end-of-text token."""
 
+    document_kernel: str | None = None
+    """The document masks' kernel (model/attention.py `document_mask`): None by device
+    (FlexAttention block masks on CUDA); tests set "flex" to run the CUDA branch on CPU
+    (eager, forward only)."""
+
     sequence_shards: int = 1
     """Set by `meshtron.parallel.tensor.apply_tensor_parallel` under sequence parallelism: a
     pipeline stage without the embedding receives hidden states of 1/sequence_shards of the
@@ -319,7 +324,8 @@ class Transformer(nn.Module):
         if self.context_parallel is not None:
             rope = self.context_parallel.context(tokens, self)
         elif self.document_eos is not None:
-            rope = document_context(tokens, self.document_eos, rope, self.spec)
+            rope = document_context(tokens, self.document_eos, rope, self.spec,
+                                    self.document_kernel)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if self.tok_embeddings is not None and self.spec.embed_scale != 1:
             h = h * self.spec.embed_scale  # Gemma: sqrt(hidden); Granite: embedding_multiplier
@@ -369,14 +375,15 @@ def document_positions(tokens: torch.Tensor, eos: int) -> tuple[torch.Tensor, to
 
 
 def document_context(tokens: torch.Tensor, eos: int, rope: torch.Tensor | None,
-                     spec: ModelSpec | None = None) -> tuple[torch.Tensor | None, DocumentMask]:
+                     spec: ModelSpec | None = None, kernel: str | None = None
+                     ) -> tuple[torch.Tensor | None, DocumentMask]:
     """What attention needs for packed documents: per-token RoPE angles at the positions inside
     each document (None without RoPE) and the DocumentMask that lets a token see only earlier
     tokens of its own document (meshtron/model/attention.py; no [seq, seq] tensor), and in
-    `spec`'s sliding blocks only the last sliding_window of them."""
+    `spec`'s sliding blocks only the last sliding_window of them. `kernel`: document_mask's."""
     doc, pos = document_positions(tokens, eos)
     angles = rope[:, pos] if rope is not None else None  # [2, batch, seq, hd]
     slides = spec is not None and spec.sliding_blocks > 0
-    return angles, document_mask(doc, window=spec.sliding_window if slides else 0,
+    return angles, document_mask(doc, kernel, window=spec.sliding_window if slides else 0,
                                  positions=pos,
                                  every_block_slides=slides and spec.sliding_blocks == spec.layers)

@@ -127,7 +127,9 @@ class AttentionContext:
     slides or the sequence fits in the window (then the band is causal attention)."""
     positions: torch.Tensor | None = None
     """RoPE positions of this rank's tokens: [seq/cp] global, or [batch, seq/cp] inside their
-    documents (the rows a second RoPE table is read at: Gemma 3's sliding blocks)."""
+    documents (the rows a second RoPE table is read at: Gemma 3's sliding blocks). Under the
+    document mask the logits are the same either way (RoPE scores depend on i - j, and both
+    lie in one document); in-document positions keep the table within a document's length."""
     seq: int = 0
     """The whole sequence's length."""
 
@@ -141,6 +143,10 @@ class ContextParallel:
         self.group = group
         self.cp = dist.get_world_size(group) if cp is None else cp
         self.rank = dist.get_rank(group) if rank is None else rank
+        self.kernel: str | None = None
+        """None: by device (FlexAttention block masks for documents and windows on CUDA,
+        exact masks elsewhere); "flex": the block masks off CUDA too (eager, forward only), so
+        tests run what a GPU runs, layer by layer, on CPU."""
 
     def chunks(self) -> tuple[int, int]:
         """The global indices of this rank's two chunks (of 2*cp)."""
@@ -167,26 +173,27 @@ class ContextParallel:
         angles = table[:, rope_pos] if table is not None else None
         spec = model.spec
         window = spec.sliding_window if spec.sliding_blocks and seq > spec.sliding_window else 0
-        block = None  # FlexAttention (CUDA): each block mask shared by every layer using it
-        if tokens.is_cuda and q_doc is not None and not (window
-                                                         and spec.sliding_blocks == spec.layers):
+        flex = tokens.is_cuda or self.kernel == "flex"
+        block = None  # FlexAttention: each block mask shared by every layer using it
+        if flex and q_doc is not None and not (window and spec.sliding_blocks == spec.layers):
             block = block_mask(pos, q_doc, kv_doc, tokens.shape[0], seq)
         return AttentionContext(angles, partial(self.attend, q_doc=q_doc, kv_doc=kv_doc,
                                                 block=block),
-                                self._window_attend(window, pos, q_doc, kv_doc, seq),
+                                self._window_attend(window, pos, q_doc, kv_doc, seq, flex),
                                 rope_pos, seq)
 
-    def _window_attend(self, window: int, pos: torch.Tensor, q_doc, kv_doc, seq: int):
-        """The sliding blocks' attention function of one forward (None without a window). On
-        CUDA with the band's block mask: with documents built per forward (the ids change
-        every batch), without them kept per shape (as model/attention.py keeps the
+    def _window_attend(self, window: int, pos: torch.Tensor, q_doc, kv_doc, seq: int,
+                       flex: bool):
+        """The sliding blocks' attention function of one forward (None without a window).
+        `flex` (CUDA) with the band's block mask: with documents built per forward (the ids
+        change every batch), without them kept per shape (as model/attention.py keeps the
         one-process band's)."""
         if not window:
             return None
         block = None
-        if pos.is_cuda and q_doc is not None:
+        if flex and q_doc is not None:
             block = block_mask(pos, q_doc, kv_doc, q_doc.shape[0], seq, window)
-        elif pos.is_cuda:
+        elif flex:
             key = (seq, self.cp, self.rank, window, str(pos.device))
             if key not in _WINDOW_BLOCKS:
                 _WINDOW_BLOCKS[key] = block_mask(pos, None, None, 1, seq, window)
