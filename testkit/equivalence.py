@@ -177,11 +177,17 @@ def parallel_rank_fn(cfg: dict[str, Any], layouts: list[dict[str, Any]],
         params = pm.full_parameters()
         # forward outputs a pipeline stage still holds after the step (torch keeps each
         # micro-batch's logits unless the schedule is stepped with return_outputs=False)
-        kept = sum(len(st.output_chunks) for st in (getattr(pm, "_stages", None) or ()))
+        stages = getattr(pm, "_stages", None) or ()
+        kept = sum(len(st.output_chunks) for st in stages)
+        # sends and receives to this rank itself in the stages' neighbour warm-up (gloo has no
+        # such pair; torch 2.11 runs the warm-up for every stage: parallel/pipeline.py)
+        self_p2p = sum(op.group_peer == st.group_rank for st in stages
+                       for op in st._get_init_p2p_neighbors_ops())
         keep = mesh.get_local_rank("dp") == 0 and mesh.get_local_rank("tp") == 0
         out.append({"layout": layout, "losses": losses, "norms": norms,
                     "coords": {n: mesh.get_local_rank(n) for n in mesh.mesh_dim_names},
                     "params": params if keep else None, "kept_outputs": kept,
+                    "self_p2p": self_p2p,
                     "seconds": time.perf_counter() - t0, "threads": thread_count()})
         # Free this layout's groups (and their backend threads) before building the next one.
         del pm, opt, model
