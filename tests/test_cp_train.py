@@ -19,6 +19,8 @@ ranks start): one line, exit 2.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from meshtron.errors import UserError
@@ -362,3 +364,11 @@ def test_train_cli_cp2_window_with_documents_equals_one_process(tmp_path):
             assert abs(a[key] - b[key]) <= TOL * abs(a[key]), (key, a, b)
     for other in ("causal", "no_window"):
         assert rows[other][-1]["loss"] != pytest.approx(rows["one"][-1]["loss"], rel=1e-4)
+    # the sliding block exchanged only the window - 1 = 5 rows before each chunk (none before
+    # rank 0's chunk 0), K and V side by side, instead of all-gathering the sequence: the
+    # run's own collective records (meshtron doctor's trace)
+    for rank, rows_moved in ((0, 5), (1, 10)):
+        trace = json.loads((tmp_path / "cp" / "trace" / f"rank_{rank}.json").read_text())
+        halos = {tuple(r["shapes"][0]) for r in trace["records"]
+                 if r["op"] == "all_to_all_single" and r["axis"] == "cp"}
+        assert halos == {(rows_moved, 4, 2, 32)}, (rank, halos)  # rows, batch, kv heads, K|V
