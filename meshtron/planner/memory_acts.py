@@ -305,7 +305,7 @@ def gathered_kv_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int, cp:
     if halo is not None:
         # a sliding block keeps each local chunk's keys with the halo before it (context.py
         # `attend_halo`: [halo, chunk] per chunk, seq/cp + 2(w-1) rows on a rank > 0) instead
-        # of the sequence: at 128k tokens, cp 8 and a 1024-token window 10238 rows, not 131072
+        # of the sequence: at 128k tokens, cp 8 and a 1024-token window 18430 rows, not 131072
         share = sliding_share(model)
         rows = (1.0 - share) * seq + share * (seq / cp + 2 * halo)
     return 2.0 * micro_batch * rows * model.kv_dim / tp * mem.compute_bytes
