@@ -8,7 +8,8 @@ global blocks run the plain document path), and cp=2 x tp=2 with sequence parall
 every parameter to 1e-5 relative (the sweep's tolerance, tests/test_parallel.py); the same
 launch counts one step's collectives against the planner (FSDP2's: `step_collectives`;
 attention's K/V all-gathers and reduce-scatters: counts and bytes). One 2-rank `meshtron train
---plan cp=2` of a windowed model with packed documents against one process.
+--plan cp=2` of a windowed model with packed documents against one process, its doctor trace
+showing the sliding block's halo exchange (window - 1 rows, not the whole sequence).
 Slow: more compositions (the plain model with documents at cp=2 x dp=2; ZeRO-2 with micro-batches, full recomputation and documents; tp x cp
 ZeRO-3 with selective recomputation and documents; cp=4; the windowed model under tp x cp and
 at cp=4), a DCP checkpoint saved at cp=2 x dp=2 and resumed at cp=1 (dp=4 ZeRO-3, and tp=2 x

@@ -219,16 +219,15 @@ class ContextParallel:
         (`attend_halo`); `flex` with the block mask of the local keys (per forward with
         documents, kept per shape without)."""
         block = None
-        if flex:
+        key = (seq, self.cp, self.rank, window, "halo", str(pos.device))
+        if flex and (q_doc is not None or key not in _WINDOW_BLOCKS):
             kv_pos, kv_seg = halo_keys(seq, self.cp, self.rank, halo, pos.device)
-            local_doc = None if kv_doc is None else kv_doc[:, kv_pos]
-            key = (seq, self.cp, self.rank, window, "halo", str(pos.device))
-            if q_doc is not None:
-                block = halo_block_mask(pos, kv_pos, kv_seg, q_doc, local_doc, window)
+            if q_doc is not None:  # the halo rows' document ids: from the gathered ids
+                block = halo_block_mask(pos, kv_pos, kv_seg, q_doc, kv_doc[:, kv_pos], window)
             else:
-                if key not in _WINDOW_BLOCKS:
-                    _WINDOW_BLOCKS[key] = halo_block_mask(pos, kv_pos, kv_seg, None, None, window)
-                block = _WINDOW_BLOCKS[key]
+                _WINDOW_BLOCKS[key] = halo_block_mask(pos, kv_pos, kv_seg, None, None, window)
+        if flex and q_doc is None:
+            block = _WINDOW_BLOCKS[key]
         return partial(self.attend_halo, window=window, halo=halo, kv_doc=kv_doc, block=block)
 
     def attend_halo(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
