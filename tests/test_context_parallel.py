@@ -12,8 +12,8 @@ the CPU mask path, and its sliding-window block masks (windows of 3 and 6, with 
 documents) against attend_window's CPU path over the real group. Sliding blocks (a
 Gemma-3-style model, float64, documents) at cp=4 and cp=2 with windows shorter than a chunk, of
 chunk + 1 and longer: one process's loss and gradients, and what moved (the halo all_to_all's
-bytes where the window fits in a chunk, the whole-sequence all-gather otherwise). Bad input: a sequence that
-does not split into 2*cp chunks, a model with learned positions -> one line.
+bytes where the window fits in a chunk, the whole-sequence all-gather otherwise). Bad input:
+a sequence that does not split into 2*cp chunks, a model with learned positions -> one line.
 """
 
 from __future__ import annotations
