@@ -63,7 +63,8 @@ PRIVATE_APIS: dict[str, str] = {
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward":
         "context parallelism without documents, CPU backward (parallel/cp_sdpa.py)",
     "torch.distributed._functional_collectives.all_to_all_single_autograd":
-        "expert parallelism's token exchange (parallel/expert.py)",
+        "expert parallelism's token exchange (parallel/expert.py); context parallelism's "
+        "sliding-window halo exchange (parallel/context.py)",
     "torch.distributed._functional_collectives.AsyncCollectiveTensor":
         "waiting for compiled blocks' collectives (parallel/compile.py)",
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper":

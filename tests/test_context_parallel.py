@@ -9,8 +9,11 @@ every gradient and every parameter (fp32 tolerance). The same launch counts the 
 one forward + backward (kinds, counts, bytes) against the formula, and checks FlexAttention's
 document block mask (the CUDA path; forward only, as CPU FlexAttention has no backward) against
 the CPU mask path, and its sliding-window block masks (windows of 3 and 6, with and without
-documents) against attend_window's CPU path over the real group. Bad input: a sequence that
-does not split into 2*cp chunks, a model with learned positions -> one line.
+documents) against attend_window's CPU path over the real group. Sliding blocks (a
+Gemma-3-style model, float64, documents) at cp=4 and cp=2 with windows shorter than a chunk, of
+chunk + 1 and longer: one process's loss and gradients, and what moved (the halo all_to_all's
+bytes where the window fits in a chunk, the whole-sequence all-gather otherwise). Bad input:
+a sequence that does not split into 2*cp chunks, a model with learned positions -> one line.
 """
 
 from __future__ import annotations
@@ -203,6 +206,71 @@ def _flex_model_matches_mask_path(group) -> dict:
     return out
 
 
+class _Count:
+    """Collective kinds -> (calls, output bytes) seen by a dispatch mode (functional
+    collectives, as issued by context.py)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen = self.seen = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if (func.namespace in ("_c10d_functional", "c10d")
+                        and not func.__name__.startswith(("wait", "_wrap"))):
+                    entry = seen.setdefault(func.__name__.split(".")[0], [0, 0])
+                    entry[0] += 1
+                    entry[1] += out.numel() * out.element_size()
+                return out
+
+        self.mode = Mode()
+
+
+# cp -> windows: shorter than a chunk (c = SEQ / 2cp), c + 1 (the halo is a whole chunk), c + 2
+# (window - 1 > c: the whole sequence gathered)
+HALO_WINDOWS = {4: (3, 5, 6), 2: (3, 9, 10)}
+
+
+def _window_matches_one_process(group, cp: int, rank: int) -> dict:
+    """A Gemma-3-style debug model (block 0 slides, block 1 global), float64, documents
+    crossing the chunk borders: one forward + backward under CP against one process for each
+    of HALO_WINDOWS[cp]; (worst loss and gradient differences, collectives seen) per window."""
+    import torch.distributed as dist
+
+    from meshtron.model.transformer import Transformer, cross_entropy_loss
+    from meshtron.parallel.context import apply_context_parallel, shard_batch
+
+    torch.set_default_dtype(torch.float64)
+    x, y = _batches()[0]
+    out = {}
+    for window in HALO_WINDOWS[cp]:
+        spec = _spec().replace(sliding_window=window, window_every=2, rope_local_theta=100.0)
+        ref = Transformer(spec, init_seed=7)
+        ref.document_eos = EOS
+        ref_loss = cross_entropy_loss(ref(x), y)
+        ref_loss.backward()
+        model = Transformer(spec, init_seed=7)
+        model.document_eos = EOS
+        apply_context_parallel(model, group)
+        shard = shard_batch(x, y, cp, rank)
+        count = _Count()
+        with count.mode:
+            loss = cross_entropy_loss(model(shard.tokens), shard.targets)
+            (loss / cp).backward()
+        loss = loss.detach()
+        dist.all_reduce(loss, group=group)
+        grad = 0.0
+        for (n, p), rp in zip(model.named_parameters(), ref.parameters()):
+            dist.all_reduce(p.grad, group=group)
+            grad = max(grad, ((p.grad - rp.grad).abs().max() / rp.grad.abs().max()).item())
+        out[window] = {"loss": abs(loss.item() / cp - ref_loss.item()), "grad": grad,
+                       "collectives": {k: tuple(v) for k, v in count.seen.items()}}
+    torch.set_default_dtype(torch.float32)
+    return out
+
+
 # (dtype, cp, documents, recompute): the default suite runs one of each kind; float64 shows the
 # computation is the single-process function up to rounding.
 DEFAULT_CASES = [("float32", 4, False, "none"), ("float32", 4, True, "selective"),
@@ -239,6 +307,8 @@ def cp_rank_fn(cases: list[tuple]) -> dict:
                           for doc in (False, True) for rc in ("none", "full", "selective")}
     out["flex"] = _flex_matches_mask_path(dist.group.WORLD, 4, rank)
     out["flex_model"] = _flex_model_matches_mask_path(dist.group.WORLD)
+    out["window"] = {4: _window_matches_one_process(dist.group.WORLD, 4, rank),
+                     2: _window_matches_one_process(pairs[rank // 2], 2, rank % 2)}
     return out
 
 
@@ -274,6 +344,7 @@ def _check(results: list[dict]) -> None:
         assert res["flex_model"]["blocks"] == {(2, False): (False, True), (2, True): (True, True),
                                                (0, False): (False, True),
                                                (0, True): (False, True)}, res["flex_model"]
+        _check_windows(rank, res["window"])
     spec = _spec()
     # Per layer, forward: all-gather of K and of V, each the full sequence's kv heads in fp32;
     # backward: one reduce-scatter each of the same size (its input; a rank receives 1/cp).
@@ -287,6 +358,27 @@ def _check(results: list[dict]) -> None:
         expected = {"all_gather_into_tensor": (gathers + doc, gathers * kv_bytes + doc * BATCH * SEQ * 8),
                     "reduce_scatter_tensor": (2 * L, 2 * L * kv_bytes // 4)}
         assert seen == expected, (doc, recompute, seen)
+
+
+def _check_windows(rank: int, windows: dict) -> None:
+    """Sliding blocks under CP: the one-process loss and gradients (float64: the same
+    function), and what moved: a window whose halo fits in the previous chunk exchanges the
+    window - 1 rows before each local chunk (one all_to_all of K and V; backward the same rows'
+    gradients) and gathers K/V only for the global block; a longer one gathers everything."""
+    spec = _spec()
+    row = BATCH * spec.kv_heads * 2 * spec.head_dim * 8  # one position's K and V, float64
+    for cp, results in windows.items():
+        cp_rank = rank % cp
+        for window, got in results.items():
+            assert got["loss"] < TOL and got["grad"] < 1e-12, (rank, cp, window, got)
+            seen = got["collectives"]
+            if window - 1 <= SEQ // (2 * cp):  # halos: rank 0's chunk 0 has none
+                rows = (window - 1) * (2 if cp_rank else 1)
+                assert seen["all_to_all_single"] == (2, 2 * rows * row), (rank, cp, window, seen)
+                assert seen["all_gather_into_tensor"][0] == 2 + 1, seen  # global K, V; doc ids
+            else:
+                assert "all_to_all_single" not in seen, (rank, cp, window, seen)
+                assert seen["all_gather_into_tensor"][0] == 2 * spec.layers + 1, seen
 
 
 def test_bad_input_is_one_line():

@@ -8,7 +8,8 @@ global blocks run the plain document path), and cp=2 x tp=2 with sequence parall
 every parameter to 1e-5 relative (the sweep's tolerance, tests/test_parallel.py); the same
 launch counts one step's collectives against the planner (FSDP2's: `step_collectives`;
 attention's K/V all-gathers and reduce-scatters: counts and bytes). One 2-rank `meshtron train
---plan cp=2` of a windowed model with packed documents against one process.
+--plan cp=2` of a windowed model with packed documents against one process, its doctor trace
+showing the sliding block's halo exchange (window - 1 rows, not the whole sequence).
 Slow: more compositions (the plain model with documents at cp=2 x dp=2; ZeRO-2 with micro-batches, full recomputation and documents; tp x cp
 ZeRO-3 with selective recomputation and documents; cp=4; the windowed model under tp x cp and
 at cp=4), a DCP checkpoint saved at cp=2 x dp=2 and resumed at cp=1 (dp=4 ZeRO-3, and tp=2 x
@@ -18,6 +19,8 @@ ranks start): one line, exit 2.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -362,3 +365,11 @@ def test_train_cli_cp2_window_with_documents_equals_one_process(tmp_path):
             assert abs(a[key] - b[key]) <= TOL * abs(a[key]), (key, a, b)
     for other in ("causal", "no_window"):
         assert rows[other][-1]["loss"] != pytest.approx(rows["one"][-1]["loss"], rel=1e-4)
+    # the sliding block exchanged only the window - 1 = 5 rows before each chunk (none before
+    # rank 0's chunk 0), K and V side by side, instead of all-gathering the sequence: the
+    # run's own collective records (meshtron doctor's trace)
+    for rank, rows_moved in ((0, 5), (1, 10)):
+        trace = json.loads((tmp_path / "cp" / "trace" / f"rank_{rank}.json").read_text())
+        halos = {tuple(r["shapes"][0]) for r in trace["records"]
+                 if r["op"] == "all_to_all_single" and r["axis"] == "cp"}
+        assert halos == {(rows_moved, 4, 2, 32)}, (rank, halos)  # rows, batch, kv heads, K|V

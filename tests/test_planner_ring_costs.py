@@ -301,3 +301,38 @@ def test_torch_ring_keeps_no_gathered_kv_for_backward():
     assert kept == 2.0 * 65536 * model.kv_dim * 2.0
     assert gathered_kv_bytes(model, 1, 1, 65536, 4, "selective",
                              KernelOptions(torch_ring=True), mem) == 0.0
+
+
+def test_sliding_blocks_under_meshtron_cp_move_and_keep_only_their_halos():
+    """meshtron's runtime at cp > 1 (parallel/context.py `attend_halo`): a sliding block whose
+    window - 1 fits in a chunk (seq / 2cp) exchanges and keeps only the window - 1 rows before
+    each local chunk; its global blocks, a window longer than a chunk, and the overlapped ring
+    keep the whole sequence's pricing. Gemma 3's pattern (5 of 6 blocks slide, 1024 tokens) on
+    Llama 3 8B's shapes at 131072 tokens, cp 8."""
+    from meshtron.planner import memory
+    from meshtron.planner.memory_acts import gathered_kv_bytes
+
+    seq, cp, w = 131072, 8, 1024
+    gemma = L8.replace(sliding_window=w, window_every=6)  # 27 of 32 blocks slide
+    share = gemma.sliding_blocks / gemma.layers
+    opts = KernelOptions()
+    mem = memory.options_for(opts)
+    whole = gathered_kv_bytes(L8, 1, 1, seq, cp, "selective", opts, mem)
+    kept = gathered_kv_bytes(gemma, 1, 1, seq, cp, "selective", opts, mem)
+    rows = (1 - share) * seq + share * (seq / cp + 2 * (w - 1))  # [halo, chunk] x 2 per rank
+    assert kept == pytest.approx(whole * rows / seq, rel=1e-12)
+    assert kept < 0.3 * whole
+    # a window longer than a chunk of 8192 tokens: the whole sequence gathered, as before
+    long = L8.replace(sliding_window=8194, window_every=6)
+    assert gathered_kv_bytes(long, 1, 1, seq, cp, "selective", opts, mem) == whole
+    # the exchange's exposed time: the global blocks' all-gather, the sliding ones' halo sends
+    base = layer_cost(L8, H100, 1, 1, seq, False, opts, cp=cp)
+    got = layer_cost(gemma, H100, 1, 1, seq, False, opts, cp=cp)
+    halo_bytes = 2.0 * 2 * (w - 1) * L8.kv_dim * 2  # K and V of 2(w - 1) rows, bf16
+    halo_s = comm.send(halo_bytes, cp_group(1, cp, H100.gpus_per_node).nodes > 1,
+                       comm.Fabric.of(H100))
+    assert got.tp_fwd == pytest.approx((1 - share) * base.tp_fwd + share * halo_s, rel=1e-9)
+    assert got.tp_fwd < 0.3 * base.tp_fwd
+    ring = dataclasses.replace(opts, cp_overlap=True)
+    assert (gathered_kv_bytes(gemma, 1, 1, seq, cp, "selective", ring, mem)
+            == gathered_kv_bytes(L8, 1, 1, seq, cp, "selective", ring, mem) == 0.0)

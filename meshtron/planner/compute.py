@@ -29,7 +29,7 @@ from meshtron.planner.placement import tp_group
 from meshtron.planner.ring_attention import (
     te_ring_bytes, te_ring_launches, torch_ring_bytes, torch_ring_launches)
 from meshtron.planner.cluster import ClusterSpec
-from meshtron.planner.compute_core import core_time, core_widths, cp_exposed, cp_group, ring_issue, window_share  # noqa: F401
+from meshtron.planner.compute_core import core_time, core_widths, cp_exposed, cp_group, cp_halo, ring_issue, window_share  # noqa: F401
 from meshtron.planner.compute_edges import (  # noqa: F401  (re-exported for callers)
     chunked_loss_extra, chunked_loss_forward_s, chunked_loss_parts, embedding_cost, head_cost)
 from meshtron.planner.compute_flops import (  # noqa: F401  (re-exported for callers)
@@ -239,7 +239,8 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     tp_f, tp_b = tp_f + amax_f, tp_b + amax_b
     if cp > 1:
         cp_f, cp_b = cp_exposed(cluster, fab, opts, dtype, tp, cp, tokens * kv_moved / tp,
-                                 core_fwd, core_bwd, ring if torch_ring else None)
+                                 core_fwd, core_bwd, ring if torch_ring else None,
+                                 cp_halo(model, opts, seq, cp))
         tp_f, tp_b = tp_f + cp_f, tp_b + cp_b
     # the host launches every kernel and collective: where they are shorter than their launches
     # the GPU waits on it (planner/host.py), over the layer's compute and exposed communication

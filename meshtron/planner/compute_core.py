@@ -35,6 +35,23 @@ def ring_issue(cp: int, per_op_s: float, issue_f: float, issue_b: float,
     return issue_f + (ops_f + coll_f) * per_op_s, issue_b + (ops_b + coll_b) * per_op_s
 
 
+def cp_halo_rows(model: ModelSpec, seq: int, cp: int) -> int | None:
+    """Rows of K/V a sliding block's local chunk needs from before its start under meshtron's
+    context parallelism (parallel/context.py `halo_rows`): window - 1, exchanged with the
+    neighbouring ranks instead of all-gathering the sequence, where they fit in the previous
+    chunk (window - 1 <= c = seq / 2cp); None where the whole sequence is gathered (no sliding
+    block, a sequence within the window, or a window longer than a chunk)."""
+    w = model.sliding_window
+    if cp == 1 or not (w and model.sliding_blocks and seq > w) or w - 1 > seq // (2 * cp):
+        return None
+    return w - 1
+
+
+def sliding_share(model: ModelSpec) -> float:
+    """The share of the blocks that slide (Gemma 3: 5 of 6)."""
+    return model.sliding_blocks / model.layers
+
+
 def window_share(model: ModelSpec, seq: int) -> float:
     """The share of the causal square a flash kernel computes, averaged over the blocks, with
     sliding-window blocks (ModelSpec.sliding_window w, a query attending to itself and w - 1
@@ -109,14 +126,17 @@ def core_time(cluster: ClusterSpec, opts: KernelOptions, batch_heads: float, q_l
 
 def cp_exposed(cluster: ClusterSpec, fab: comm.Fabric, opts: KernelOptions, dtype: str,
                 tp: int, cp: int, kv_elems: float, core_fwd: float, core_bwd: float,
-                ring: tuple[float, float, float, float] | None) -> tuple[float, float]:
+                ring: tuple[float, float, float, float] | None,
+                halo: tuple[float, float] | None = None) -> tuple[float, float]:
     """(forward, backward) exposed seconds of context parallelism's K/V exchange for
     `kv_elems` K (= V) elements on this rank. K/V of the local tokens travel to the other
     cp-1 ranks (ring: cp-1 p2p steps of the local K/V chunk; all-gather: the same volume),
     their gradients come back in the backward (Liu et al. 2023 "Ring Attention";
     Megatron-Core context parallelism docs). `ring` (torch's ring attention, with its
     calls' times): its own collectives, ring_attention.py; else hidden behind the core
-    where the stack overlaps them (`cp_overlap`), exposed otherwise."""
+    where the stack overlaps them (`cp_overlap`), exposed otherwise. `halo` (meshtron's
+    all-gather runtime with sliding blocks whose window fits in a chunk): (share of the
+    blocks that slide, halo rows over local rows); those blocks move the halos only."""
     kv_bytes = (4.0 if dtype == "fp32" else BF16) * 2 * kv_elems
     cpg = cp_group(tp, cp, cluster.gpus_per_node)
     nccl = host.sm_interference(cluster, cpg.nodes > 1)
@@ -133,7 +153,26 @@ def cp_exposed(cluster: ClusterSpec, fab: comm.Fabric, opts: KernelOptions, dtyp
         # forward's bytes per rank, each step's send beside that step's kernel
         cp_b += cp_f
         return overlapped(cp_f, core_fwd, nccl), overlapped(cp_b, core_bwd, nccl)
+    if halo is not None:
+        # parallel/context.py `exchange_halos`: each rank sends the last w-1 rows of each of
+        # its two chunks to the neighbour holding the next chunk and receives as many (one
+        # all_to_all of K and V, nonzero only between neighbours: a send of 2(w-1) rows'
+        # bytes, both directions at once); backward returns the same bytes of gradients
+        share, rows = halo
+        moved = comm.send(kv_bytes * rows, cpg.nodes > 1, fab)
+        cp_f = (1.0 - share) * cp_f + share * moved
+        cp_b = (1.0 - share) * cp_b + share * moved
     return cp_f, cp_b
+
+
+def cp_halo(model: ModelSpec, opts: KernelOptions, seq: int, cp: int) -> tuple[float, float] | None:
+    """`cp_exposed`'s `halo` for meshtron's runtime (the all-gather design: neither
+    `cp_overlap` nor `torch_ring`): (sliding share, 2(w-1) halo rows over the seq/cp local
+    rows), or None where every block gathers the whole sequence."""
+    halo = cp_halo_rows(model, seq, cp)
+    if halo is None or opts.cp_overlap or opts.torch_ring:
+        return None
+    return sliding_share(model), 2.0 * halo / (seq / cp)
 
 
 def cp_group(tp: int, cp: int, gpus_per_node: int) -> comm.Group:

@@ -57,6 +57,7 @@ import math
 from meshtron.model.mla_shapes import mla_projections
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.compute import KernelOptions
+from meshtron.planner.compute_core import cp_halo_rows, sliding_share
 from meshtron.planner.memory_bwd import block_backward_bytes, eager_none as _eager_none
 from meshtron.planner.memory_kinds import window_mask_bytes
 from meshtron.planner.memory_options import (DEFAULT, E5M6_TILE_BYTES, FP8_TILE_BYTES,
@@ -292,13 +293,22 @@ def gathered_kv_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int, cp:
     """Bytes one layer keeps for backward of the K/V gathered over the cp ranks (one micro-batch,
     `seq` the whole sequence): with the all-gather design (`opts.cp_overlap` False: meshtron's
     runtime, meshtron/parallel/context.py) attention saves the whole sequence's K and V on every
-    cp rank, which do not shrink with cp (measured: bench/cp_memory.py); full recomputation
+    cp rank, which do not shrink with cp (measured: bench/cp_memory.py), but a sliding block
+    whose window fits in a chunk only its chunks and their halos; full recomputation
     gathers them again in backward instead. Ring attention (p2p) keeps only the local chunk,
     and so does torch's ring (`opts.torch_ring`: its all-gathered K/V live through the forward
     call only, its backward gathers them again, _templated_ring_attention_backward)."""
     if cp == 1 or opts.cp_overlap or opts.torch_ring or recompute == "full":
         return 0.0
-    return 2.0 * micro_batch * seq * model.kv_dim / tp * mem.compute_bytes
+    rows = float(seq)
+    halo = cp_halo_rows(model, seq, cp)
+    if halo is not None:
+        # a sliding block keeps each local chunk's keys with the halo before it (context.py
+        # `attend_halo`: [halo, chunk] per chunk, seq/cp + 2(w-1) rows on a rank > 0) instead
+        # of the sequence: at 128k tokens, cp 8 and a 1024-token window 18430 rows, not 131072
+        share = sliding_share(model)
+        rows = (1.0 - share) * seq + share * (seq / cp + 2 * halo)
+    return 2.0 * micro_batch * rows * model.kv_dim / tp * mem.compute_bytes
 
 
 LOSS_PARALLEL_BYTES = 16.0
