@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Mapping
+from typing import Callable, Mapping
 from datetime import timedelta
 
 import torch
@@ -169,14 +169,18 @@ def abort_rank(exit_code: int) -> None:
     os._exit(exit_code)
 
 
-def shutdown_rank(exit_code: int = 0) -> None:
+def shutdown_rank(exit_code: int = 0, then: Callable[[], None] | None = None) -> None:
     """Leave cleanly and exit: barrier, destroy the group, then `os._exit`, which avoids gloo's
-    'terminate called without an active exception' abort at interpreter shutdown (shared notes)."""
+    'terminate called without an active exception' abort at interpreter shutdown (shared notes).
+    `then`: run once every rank has passed the barrier (nothing of the group is needed any more),
+    just before the exit."""
     if dist.is_initialized():
         try:
             dist.barrier()
         finally:
             dist.destroy_process_group()
+    if then is not None:
+        then()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)

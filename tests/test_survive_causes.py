@@ -154,14 +154,26 @@ def test_full_disk_is_a_storage_error(tmp_path):
 
 
 def test_preemption_with_restarts_requeues_without_a_restart(tmp_path):
+    """SIGTERM to rank 1 under --max-restarts: exit 75, no restart, the preemption recorded.
+    Rank 0 takes 3 s longer than rank 1 to finish the preemption (tests/checkpoint_faults): a
+    rank that stopped torchrun's agent as soon as it was done itself had the agent SIGTERM the
+    slower rank mid-record (the run then read as killed, the preemption not recorded; it was
+    a 3-in-8 flake under load before the delay made it certain)."""
     run_dir = tmp_path / "run"
-    proc = _start(run_dir, "--checkpoint-every", "3", "--max-restarts", "1")
+    proc = subprocess.Popen(
+        [*TRAIN, "--steps", "400", "--run-dir", str(run_dir), "--checkpoint-every", "3",
+         "--max-restarts", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", MESHTRON_TEST_SLOW_PREEMPT_RANK="0",
+                 PYTHONPATH=os.pathsep.join([str(Path(__file__).parent / "checkpoint_faults"),
+                                                os.environ["PYTHONPATH"]])))
     _wait(lambda: _last_step(run_dir) >= 4 and len(rank_pids(run_dir)) == 2, proc)
     os.kill(rank_pids(run_dir)[1], signal.SIGTERM)
     out, _ = proc.communicate(timeout=150)
     assert proc.returncode == 75, out[-3000:]
     assert not any(r.get("event") == "restart" for r in records(run_dir)), out[-3000:]
     assert "failed: exit code 75" not in out and "SIGKILL" not in out, out[-3000:]
+    assert "Traceback" not in out and "SIGTERM after rank" not in out, out[-3000:]
     assert "meshtron train: preempted; checkpoint of step " in out, out[-3000:]
     step = next(r for r in records(run_dir) if r.get("event") == "preempted")["checkpoint_step"]
     code, doc = _doctor(run_dir)

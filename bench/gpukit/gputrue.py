@@ -398,6 +398,8 @@ TORCH_TESTS = ["tests/test_torch_compat.py", "tests/test_device_init.py", "tests
                "tests/test_train_syncs.py::test_batch_bound_for_cuda_is_page_locked_first",
                "tests/test_doctor_recorder.py::test_recording_group_is_judged_by_the_methods_"
                "torch_has",
+               "tests/test_rehearse_moe.py::test_a_stage_of_dense_first_blocks_is_priced_as_its_"
+               "own_blocks",  # builds an ep mesh: DeviceMesh._unflatten by index (2.11)
                "tests/test_context_parallel.py::test_without_documents_each_chunk_runs_the_"
                "flash_kernels_without_a_mask"]
 

@@ -85,8 +85,13 @@ def run_rank(job: TrainJob, world: World) -> NoReturn:
             outputs.print_result(job.cfg, summary, run_dir)
     except Preempted:
         doctor.stop()
-        _end_restarts(job.cfg.train.run_dir, EXIT_PREEMPTED)
-        shutdown_rank(EXIT_PREEMPTED)
+        # Stopping torchrun's agent (restart mode) makes it SIGTERM every rank: done before a
+        # slower peer had finished the preemption (its records, the exit barrier), that peer
+        # was torn down or its barrier broke. So: ignore SIGTERM from here (this rank has
+        # nothing left to save), meet every rank in the exit barrier, and only then stop it.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        run_dir = job.cfg.train.run_dir
+        shutdown_rank(EXIT_PREEMPTED, then=lambda: _end_restarts(run_dir, EXIT_PREEMPTED))
     except RunFinished as done:
         if world.rank == 0:
             print(done, flush=True)

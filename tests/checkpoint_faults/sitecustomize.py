@@ -19,3 +19,21 @@ if _SLOW:
         return _write_data(self, plan, planner)
 
     FileSystemWriter.write_data = write_data
+
+# With MESHTRON_TEST_SLOW_PREEMPT_RANK=R: rank R, once its preemption checkpoint is written,
+# takes 3 s more before it records the preemption (a slow disk for metrics.jsonl), so that its
+# peers finish their part of the preemption well before it does.
+if os.environ.get("RANK") and os.environ.get("RANK") == os.environ.get(
+        "MESHTRON_TEST_SLOW_PREEMPT_RANK"):
+    import time
+
+    from meshtron.checkpoint import checkpointer
+
+    _append = checkpointer.history.append
+
+    def append(path, record):
+        if record.get("event") == "preempted":
+            time.sleep(3.0)
+        return _append(path, record)
+
+    checkpointer.history.append = append
