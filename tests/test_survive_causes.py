@@ -268,7 +268,8 @@ def test_rank_killed_during_the_preemption_save_is_dead(tmp_path):
 
 def test_rank_killed_after_a_dump_on_demand_is_dead(tmp_path):
     """SIGUSR1 to rank 1 (a dump on demand, as doctor's no_dump verdict suggests), two more
-    steps, then SIGKILL of rank 1 mid-run: rank 0 raises gloo's 'Connection closed by peer'.
+    steps, then SIGKILL of rank 1 mid-run: rank 0 raises gloo's 'Connection closed by peer' (or
+    is stopped by torchrun first).
     The verdict names rank 1 and its signal, not rank 0's lost connection as what was raised,
     nor rank 1 as never entering the collectives it took part in after its dump."""
     run_dir = tmp_path / "run"
@@ -290,7 +291,12 @@ def test_rank_killed_after_a_dump_on_demand_is_dead(tmp_path):
         f"rank 1 (dp=1) died after its SIGUSR1 dump at step {dumped_at} ("), doc
     killed = "(killed by SIGKILL)" in doc["verdict"]
     assert "raised" not in doc["verdict"] and "Connection" not in doc["verdict"], doc
-    assert doc["evidence"][0].startswith("rank 0 (dp=0): exception: "), doc["evidence"]
+    # rank 0 raises on its next collective, or, when torchrun's agent saw rank 1 die first (a
+    # loaded host; rank 0 between collectives), it is stopped by the agent's SIGTERM: either
+    # way its own ending, not a second culprit
+    assert doc["evidence"][0].startswith(("rank 0 (dp=0): exception: ", "rank 0 (dp=0): "
+                                          "SIGTERM: stopped by SIGTERM after rank 1 ended")), \
+        doc["evidence"]
     # A SIGKILLed rank closes its sockets while it exits, before /proc shows it a zombie:
     # rank 0's dump can read it as running (one CI run); torchrun's agent saw it killed
     if killed:
