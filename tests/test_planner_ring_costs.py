@@ -336,3 +336,24 @@ def test_sliding_blocks_under_meshtron_cp_move_and_keep_only_their_halos():
     ring = dataclasses.replace(opts, cp_overlap=True)
     assert (gathered_kv_bytes(gemma, 1, 1, seq, cp, "selective", ring, mem)
             == gathered_kv_bytes(L8, 1, 1, seq, cp, "selective", ring, mem) == 0.0)
+
+
+def test_context_parallel_exchange_is_in_the_step_without_tensor_parallelism():
+    """At tp = 1 and cp > 1 the layers' K/V exchange (compute.layer_cost's tp_fwd/tp_bwd: no
+    tensor collectives then) is a part of the step, as at tp > 1: it was dropped with the tensor
+    collectives' rounding guard, so tp=1 x cp plans were priced with free context parallelism.
+    Llama 3 8B at 131072 tokens, cp 8 on one node of H100s."""
+    seq = 131072
+    ev = Evaluator(L8, resolve_cluster("dgx-h100:1"), 8, seq, KernelOptions())
+    plan = Plan(tp=1, pp=1, dp=1, cp=8, zero=1, micro_batch=1, recompute="full", sp=False)
+    est = ev.evaluate(plan)
+    layer = layer_cost(L8, H100, 1, 1, seq, False, KernelOptions(), cp=8)
+    assert layer.tp_fwd > 0.0
+    # at least a layer's exchanges per micro-batch (8 micro-batches of 1) in every layer
+    # (the step's walk adds the replays as it does at tp > 1)
+    per_layer = layer.per_microbatch("full", KernelOptions().attention)[1]
+    assert est.time.tp_comm >= 8 * L8.layers * per_layer > 0.0
+    assert est.step_time_s == pytest.approx(est.time.total, rel=1e-12)
+    no_cp = Evaluator(L8, resolve_cluster("dgx-h100:1"), 8, seq, KernelOptions()).evaluate(
+        plan.replace(cp=1, dp=8))
+    assert no_cp.time.tp_comm == 0.0

@@ -47,9 +47,11 @@ class StepTimes:
         crit = max(range(pp), key=stage_t.__getitem__)
         compute_t = (m * stage_c[crit] + self.accumulation_s(cfg, n[crit], crit, m, w.flags)
                      + n[crit] * self._fp8_step(tp, cfg.dtype, cfg.fp8_recipe))
-        # exactly zero without tensor parallelism (the difference of sums leaves rounding)
+        # the layers' collectives: tensor parallelism's and context parallelism's K/V exchange
+        # (compute.layer_cost); exactly zero without either (the difference of sums leaves
+        # rounding). The expert all-to-alls are a part of their own.
         ep_t = m * (n[crit] * w.ep_l + excess[crit] * w.replay[3])
-        tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 else 0.0
+        tp_t = m * (stage_t[crit] - stage_c[crit]) - ep_t if tp > 1 or w.cp > 1 else 0.0
         chunked = self._chunk_times(w) if v > 1 and pp > 1 and cfg.schedule in (
             "zb", "interleaved") else None
         if chunked and cfg.schedule == "interleaved" and not self._unequal(chunked[3], pp):

@@ -87,7 +87,8 @@ def fmt_days(x: float) -> str:
 
 def breakdown_line(est: Estimate) -> str:
     t = est.time
-    return (f"step {fmt_s(est.step_time_s)} s = compute {fmt_s(t.compute)} + tensor-parallel "
+    layers = "tensor/context-parallel" if est.config.cp > 1 else "tensor-parallel"
+    return (f"step {fmt_s(est.step_time_s)} s = compute {fmt_s(t.compute)} + {layers} "
             f"{fmt_s(t.tp_comm)} + pipeline {fmt_s(t.pp_comm)} + data-parallel exposed "
             f"{fmt_s(t.dp_comm)} + bubble {fmt_s(t.bubble)} + optimizer {fmt_s(t.optimizer)}"
             + (f" (on the host) + host-link copies {fmt_s(t.offload)} (offload="
