@@ -357,3 +357,17 @@ def test_context_parallel_exchange_is_in_the_step_without_tensor_parallelism():
     no_cp = Evaluator(L8, resolve_cluster("dgx-h100:1"), 8, seq, KernelOptions()).evaluate(
         plan.replace(cp=1, dp=8))
     assert no_cp.time.tp_comm == 0.0
+
+
+def test_a_context_parallel_alternative_is_not_called_pure_data_parallel():
+    """`meshtron plan` explains why each other layout family loses; tp = pp = 1 with cp > 1
+    (Llama 3 8B at 65536 tokens on 32 H100s) is data x context parallel, not "pure" data
+    parallel."""
+    from meshtron.planner.search import search_plans
+
+    result = search_plans(L8, resolve_cluster("dgx-h100:4"), 32, 65536, top_k=1)
+    names = [a.label for a in result.alternatives]
+    cp_dp = [n for n in names if "cp=" in n and "tp=1," in n and ",pp=1," in n]
+    assert cp_dp and all(n.startswith("ZeRO-") and "data x context parallel" in n
+                         for n in cp_dp), names
+    assert not any(n.startswith("pure") and "cp=" in n and "cp=1" not in n for n in names), names

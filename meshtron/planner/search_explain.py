@@ -74,8 +74,10 @@ def explain_losses(best: Estimate, fam_best: dict[str, Estimate], fam_lean: dict
         if est is None:
             continue
         name = label
-        if fam == "dp" and est.fits:
-            name = f"pure ZeRO-{est.config.zero} data parallel"
+        if fam == "dp" and est.fits:  # tp = pp = 1, where context parallelism may split
+            z = est.config.zero
+            name = (f"ZeRO-{z} data x context parallel" if est.config.cp > 1
+                    else f"pure ZeRO-{z} data parallel")
         out.append(Alternative(f"{name} ({est.config.layout()})", est, loss_reason(best, est)))
     return out + _knob_losses(best, ev, space)
 
