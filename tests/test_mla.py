@@ -128,9 +128,13 @@ def _batches(vocab: int):
 def _local_losses(model: str) -> list[float]:
     from meshtron.train.loop import LocalEngine
 
+    from testkit.bf16 import one_thread
+
     cfg = _cfg(model, dtype="fp32")
-    engine = LocalEngine(cfg)
-    return [float(engine.train_step(t[:, :-1], t[:, 1:]).loss) for t in _batches(cfg.model.vocab)]
+    with one_thread():  # the ranks' one thread: tiny-mla's routing turns a GEMM's blocking into
+        engine = LocalEngine(cfg)  # a 1.6e-5 loss difference by step 3
+        return [float(engine.train_step(t[:, :-1], t[:, 1:]).loss)
+                for t in _batches(cfg.model.vocab)]
 
 
 DENSE_MLA = {"preset": "tiny-mla", "moe_experts": 0, "moe_top_k": 0, "moe_ffn_hidden": 0,
@@ -143,6 +147,15 @@ difference by step 3 (a routing choice; this dense variant: 3e-7)."""
 CASES = [("tiny-mla", dict(tp=2)), ("tiny-mla", dict(tp=2, sp=True)),
          ("tiny-mla", dict(dp=2, zero=3)), (DENSE_MLA, dict(cp=2, zero=3)),
          (dict(DENSE_MLA, q_lora_rank=0), dict(tp=2, sp=True))]  # one plain q projection
+
+
+def _tolerance(model) -> float:
+    """fp32 summation order (1e-5), or for tiny-mla's routed blocks one token's expert choice:
+    its step-3 batch holds a sigmoid top-k near-tie that the GEMM blocking decides (seen: the
+    one-process reference with 1 or 2 threads, tp=2 vs dp=2 ranks: 1.57e-5 apart), so 3e-5 there.
+    Measured 2026-12-06: without the shared rotary key's gradient sum over tp (tensor.py's
+    `_sum_grad_over_tp` hook left out), tp=2 is 2.0e-4 off at step 3, tp=2 + sp 8.1e-5 at step 2."""
+    return 3e-5 if model == "tiny-mla" else 1e-5
 
 
 def _plan(**kw):
@@ -177,7 +190,8 @@ def test_tp2_sp_fsdp2_and_cp2_match_one_process():
         # bytes the runtime holds
         planned = rank_states(_cfg(model).model, _plan(**kw), "fp32")
         for rank in range(2):
-            assert results[rank][i]["losses"] == pytest.approx(ref, rel=1e-5), (kw, rank)
+            assert results[rank][i]["losses"] == pytest.approx(ref, rel=_tolerance(model)), (
+                kw, rank)
             st = planned[rank]
             assert results[rank][i]["states"] == [st.params, st.grads, st.optimizer], (kw, rank)
 
