@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from meshtron.doctor.dump import process_state  # noqa: E402
 from testkit.procs import rank_pids  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +73,9 @@ def run_one(run_dir: Path, after_steps: int) -> dict:
         os.kill(_pids_first(trace), signal.SIGUSR1)
         _wait((trace / "rank_0.json").is_file, proc)
         (trace / "rank_0.json").rename(run_dir / "joining.json")
+        # rank 1 stops itself as its interpreter starts: a SIGCONT before that is lost (on a
+        # loaded host the pilot sent one first once; that rank stayed stopped)
+        _wait(lambda: process_state(rank_pids(run_dir).get(1, -1)) == "stopped", proc)
         os.kill(rank_pids(run_dir)[1], signal.SIGCONT)
         _wait(lambda: _steps_logged(run_dir) >= after_steps, proc)
         for pid in _pids(trace):
