@@ -139,6 +139,9 @@ def test_no_dump_is_said_not_judged(tmp_path):
         assert doc["verdict"].startswith("rank 1 never joined: it wrote no hello file"), doc
         assert " s for it to join the process group (at " in doc["verdict"], doc
         dumps[0].rename(tmp_path / "joining.json")
+        # a SIGCONT before rank 1 has stopped itself is lost (a loaded host can start its
+        # interpreter late): it would stay stopped
+        _wait(lambda: process_state(rank_pids(run_dir).get(1, -1)) == "stopped", proc)
         os.kill(rank_pids(run_dir)[1], signal.SIGCONT)
 
         _wait(lambda: (run_dir / "metrics.jsonl").is_file(), proc)

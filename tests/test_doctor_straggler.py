@@ -127,6 +127,29 @@ def test_healthy_run_recorded_under_cpu_load_is_not_a_straggler(tmp_path):
     assert d.kind == "straggler" and d.culprit_ranks == [0], d.to_dict()
 
 
+def test_healthy_run_dumped_on_demand_in_its_first_step_is_not_a_straggler(tmp_path):
+    """Dumps of a real healthy run (tests/test_doctor_restarts.py::
+    test_no_dump_is_said_not_judged's sequence beside three busy loops, session 50): both
+    ranks dumped on demand (SIGUSR1) before either finished its first step. Rank 1 reached
+    the two start-up broadcasts 2 and 25 ms after rank 0, 95% of the 28 ms they span: the rule
+    that compared every collective when the dumps had no step times named it (as it named a
+    rank in 6 of 12 such runs, up to 2.5 s late at the first step's first all-gather). No step
+    finished: nothing is compared, `none`."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(DATA / "on_demand_in_first_step", run_dir / "trace")
+    dumps = [json.loads((run_dir / "trace" / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    assert [d["reason"] for d in dumps] == ["SIGUSR1"] * 2, dumps
+    assert all(d["step"] == 0 and d["step_times"] == [] for d in dumps)
+    entered = [{rec["seq"]: rec["enqueue_t"] for rec in d["records"]} for d in dumps]
+    late = [entered[1][seq] - entered[0][seq] for seq in (1, 2)]
+    span = max(entered[1][2], entered[0][2]) - min(entered[0][1], entered[1][1])
+    # what the timing rule saw: >= 20 ms and >= 10% of the span, rank 1 always last
+    assert min(late) > 0 and sum(late) > max(0.02, 0.1 * span), (late, span)
+    code, doc = _doctor(run_dir)
+    assert code == 0 and doc["kind"] == "none", doc
+    assert doc["verdict"].startswith("dumped on demand (SIGUSR1) while running"), doc
+
+
 class _DutyCycle(threading.Thread):
     """SIGSTOP a process for `stop_s` of every `period_s` until told to end (then SIGCONT)."""
 

@@ -2,11 +2,11 @@
 CPU load explains (analyze.py asks `find` when the ranks' records agree).
 
 Lateness. For every collective all members recorded (after the start-up step, up to the last
-step every rank finished), each member's lateness is its entry time after the earliest
-member's; a collective cannot finish before its last member enters, so a rank's summed
-lateness is the time the others spent waiting for it. A sum, not a per-collective median: a
-rank late by a lot in one step of three has a median lateness of 0 but costs its peers as much
-as one late every time.
+step every rank finished; none while a rank has finished no step: `_compared_window`), each
+member's lateness is its entry time after the earliest member's; a collective cannot finish
+before its last member enters, so a rank's summed lateness is the time the others spent
+waiting for it. A sum, not a per-collective median: a rank late by a lot in one step of
+three has a median lateness of 0 but costs its peers as much as one late every time.
 
 Host load. With more runnable threads than cores every rank waits for a CPU now and then, and
 which rank shares a core for a while is chance: healthy 2-rank runs on a loaded 2-core host
@@ -221,12 +221,14 @@ def _host_wait(before: dict, after: dict) -> float:
 def _lateness(trace):
     """(rank -> (its entry time, its lateness) in each collective compared, rank -> times
     last, number of collectives, seconds they span), over the collectives every member of their
-    group recorded, after the start-up step (first compilations and all-gathers are not a
-    straggler's) and up to the end of the last step every rank finished (the run's end: a
-    final evaluation, a checkpoint, plots on rank 0, is not a step either)."""
-    warm, done = _start_up_end(trace), _steps_end(trace)
+    group recorded between the end of the start-up and the end of the last step every rank
+    finished (`_compared_window`); none before every rank has finished a step."""
     lates: dict[int, list[tuple[float, float]]] = defaultdict(list)
     last: Counter = Counter()
+    window = _compared_window(trace)
+    if window is None:
+        return lates, last, 0, 0.0
+    warm, done = window
     total, lo, hi = 0, float("inf"), float("-inf")
     for group, by_rank in trace.collectives().items():
         members = trace.group_ranks(group)
@@ -246,18 +248,27 @@ def _lateness(trace):
     return lates, last, total, max(hi - lo, 0.0)
 
 
-def _start_up_end(trace) -> float:
-    """When every rank had finished its first step (-inf when the dumps carry no step times)."""
-    ends = [st["end_t"] for d in trace.dumps.values() for st in d.get("step_times", [])
-            if st["step"] == 1]
-    return max(ends) if len(ends) == len(trace.dumps) else float("-inf")
-
-
-def _steps_end(trace) -> float:
-    """When the last step every rank finished ended (inf when the dumps carry no step times)."""
-    last = [max(st["end_t"] for st in d["step_times"]) if d.get("step_times") else None
-            for d in trace.dumps.values()]
-    return float("inf") if None in last else min(last)
+def _compared_window(trace) -> tuple[float, float] | None:
+    """(start, end) of the time compared: from when every rank had finished the first step its
+    dump keeps (step 1; a later one after a resume or once the dump's window of beats moved on)
+    to the end of the last step every rank finished (the run's end: a final evaluation, a
+    checkpoint, plots on rank 0, is not a step either). None while a rank has finished no step:
+    its dump, and so its peers' comparison, is all start-up. The start-up is not a straggler's:
+    ranks reach its collectives (a vocabulary broadcast, the first all-gathers) after imports,
+    tokenization and first compilations that differ by chance, and no beat gives the readings
+    that tell the host's load from a rank's own. Measured (session 50): healthy 2-rank runs
+    dumped on demand (SIGUSR1) before their first step, beside three busy loops, were named a
+    straggler under the timing rule in 6 of 12 runs: one rank 22 ms to 2.5 s later at the
+    start-up broadcasts and the first step's all-gathers, 14-97% of the span they covered
+    (docs/measurements.md#straggler-on-demand)."""
+    firsts, lasts = [], []
+    for d in trace.dumps.values():
+        ends = [st["end_t"] for st in d.get("step_times") or []]
+        if not ends:
+            return None
+        firsts.append(min(ends))
+        lasts.append(max(ends))
+    return (max(firsts), min(lasts)) if firsts else None
 
 
 def _median_step(trace) -> float | None:
