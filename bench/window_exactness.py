@@ -54,7 +54,8 @@ def kernels() -> dict[str, float]:
     import torch.nn.functional as F
 
     from meshtron.model.attention import band_attention, document_mask, window_attention
-    from meshtron.parallel.context import block_mask, chunk_positions, flex_attention, halo_rows
+    from meshtron.parallel.context import block_mask, chunk_positions, flex_attention
+    from meshtron.parallel.cp_halo import halo_rows
 
     worst: dict[str, float] = {}
 
@@ -110,8 +111,8 @@ def halo_kernels(note, q, k, v, doc, want, seq, cp, rank, window, halo) -> None:
     import torch
 
     from meshtron.model.attention import band_attention
-    from meshtron.parallel.context import (chunk_positions, flex_attention, halo_block_mask,
-                                           halo_keys)
+    from meshtron.parallel.context import chunk_positions, flex_attention
+    from meshtron.parallel.cp_halo import halo_block_mask, halo_keys
 
     pos = chunk_positions(seq, cp, rank)
     kv_pos, seg = halo_keys(seq, cp, rank, halo)

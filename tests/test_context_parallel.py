@@ -465,7 +465,7 @@ def test_document_block_mask_is_exact_and_compiled_on_cuda():
 
     from meshtron.model.attention import _compiled
     from meshtron.parallel.context import block_mask, chunk_positions, flex_attention
-    from meshtron.parallel.context import mask_builder
+    from meshtron.parallel.cp_flex import mask_builder
 
     pos = chunk_positions(SEQ, 2, 1)
     doc = torch.zeros(BATCH, SEQ, dtype=torch.long)
