@@ -196,10 +196,9 @@ class ContextParallel:
         one-process band's)."""
         if not window:
             return None
-        halo = halo_rows(seq, self.cp, window)
-        if halo is not None:
-            return halo_attend(self.group, self.cp, self.rank, window, halo, pos, q_doc, kv_doc,
-                               seq, flex)
+        if halo_rows(seq, self.cp, window) is not None:
+            return halo_attend(self.group, self.cp, self.rank, window, pos, q_doc, kv_doc, seq,
+                               flex)
         block = None
         if flex and q_doc is not None:
             block = block_mask(pos, q_doc, kv_doc, q_doc.shape[0], seq, window)
