@@ -12,7 +12,9 @@ the sequence (shorter than a chunk, spanning three chunks), batch 3 with differe
 per row, GQA 6:2. Model: a Gemma-3-style model (sliding / global / sliding, a local RoPE base)
 and an all-sliding StarCoder2-style one under cp 2, 3, 4 on real gloo ranks against one
 process: logits and all-reduced gradients. Measured (review49, torch 2.13 CPU): kernels 1.3e-15,
-logits 8.9e-16, gradients 7.5e-18 (absolute; 3e-15 relative).
+logits 8.9e-16, gradients 7.5e-18 (absolute; 3e-15 relative); with halos over several chunks
+(halo50): kernels 1.3e-15 (halo band 1.3e-15, halo flex 1.1e-15), logits 8.9e-16, gradients
+9.5e-18.
 """
 
 from __future__ import annotations
@@ -187,9 +189,9 @@ MODEL_CASES = [("gemma3", 10, 48, 3, True, 4), ("gemma3", 10, 48, 3, False, 4),
                ("gemma3", 60, 48, 2, True, 2), ("starcoder2", 48, 48, 2, True, 2),
                ("gemma3", 7, 48, 3, True, 4),  # halo = a whole chunk of 6
                # halos over several chunks: 19 rows before a query (chunks of 6, cp 4: chunk
-               # b's reach rank cp-1's chunk a), 29 (chunks of 8, cp 3), 11 (chunks of 12, cp 2)
+               # b's reach rank cp-1's chunk a), 29 (chunks of 8, cp 3), 19 (chunks of 12, cp 2)
                ("gemma3", 20, 48, 3, True, 4), ("starcoder2", 30, 48, 2, True, 3),
-               ("gemma3", 12, 48, 2, False, 2)]
+               ("gemma3", 20, 48, 2, False, 2)]
 """(kind, window, seq, batch, documents, cp)."""
 
 
