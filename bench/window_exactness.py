@@ -4,15 +4,17 @@ a mismatch). A wider sweep than tests/test_window_documents.py, for changes to t
 
 Kernels: `window_attention` ("chunks", "flex" eager; with a DocumentMask "segments" and "flex",
 every block sliding or not) and one CP rank's `band_attention` chunks and `context.block_mask`
-+ FlexAttention (eager) at cp 1 to 4, every rank, and where the window fits in a chunk the
-halo layout's (`attend_halo`: [halo, chunk] keys, band_attention and `halo_block_mask`),
-against SDPA under the dense mask
++ FlexAttention (eager) at cp 1 to 4, every rank, and where the halo pays (`halo_rows`) the
+halo layout's (`attend_halo`: the union of the chunks' key ranges, band_attention and
+`halo_block_mask`, windows reaching over several chunks too), against SDPA under the dense mask
 0 <= i - j < window and same document: sequences 1 to 67 (odd ones too), windows 1 to beyond
 the sequence (shorter than a chunk, spanning three chunks), batch 3 with different documents
 per row, GQA 6:2. Model: a Gemma-3-style model (sliding / global / sliding, a local RoPE base)
 and an all-sliding StarCoder2-style one under cp 2, 3, 4 on real gloo ranks against one
 process: logits and all-reduced gradients. Measured (review49, torch 2.13 CPU): kernels 1.3e-15,
-logits 8.9e-16, gradients 7.5e-18 (absolute; 3e-15 relative).
+logits 8.9e-16, gradients 7.5e-18 (absolute; 3e-15 relative); with halos over several chunks
+(halo50): kernels 1.3e-15 (halo band 1.3e-15, halo flex 1.1e-15), logits 8.9e-16, gradients
+9.5e-18.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def kernels() -> dict[str, float]:
     import torch.nn.functional as F
 
     from meshtron.model.attention import band_attention, document_mask, window_attention
-    from meshtron.parallel.context import block_mask, chunk_positions, flex_attention, halo_rows
+    from meshtron.parallel.context import block_mask, chunk_positions, flex_attention
+    from meshtron.parallel.cp_halo import halo_rows
 
     worst: dict[str, float] = {}
 
@@ -96,36 +99,37 @@ def kernels() -> dict[str, float]:
                                              seq, window)
                             note("cp flex", flex_attention(q[:, :, pos], k, v, blk),
                                  want[:, :, pos])
-                            halo = halo_rows(seq, cp, window)
-                            if halo is not None and cp > 1:  # attend_halo's local keys
-                                halo_kernels(note, q, k, v, doc, want, seq, cp, rank, window,
-                                             halo)
+                            if cp > 1 and halo_rows(seq, cp, window) is not None:
+                                halo_kernels(note, q, k, v, doc, want, seq, cp, rank, window)
     return worst
 
 
-def halo_kernels(note, q, k, v, doc, want, seq, cp, rank, window, halo) -> None:
-    """context.py `attend_halo`'s two paths on one rank's [halo, chunk] keys (sliced from the
-    whole K/V here; the exchange itself runs in the model cases): band_attention per chunk
-    with its first query at row `halo`, and FlexAttention under `halo_block_mask`."""
+def halo_kernels(note, q, k, v, doc, want, seq, cp, rank, window) -> None:
+    """cp_halo.py `attend_halo`'s two paths on one rank's key layout (the union of its chunks
+    and the rows before them, sliced from the whole K/V here; the exchange itself runs in the
+    model cases): band_attention per chunk over its contiguous keys, and FlexAttention under
+    `halo_block_mask`."""
     import torch
 
     from meshtron.model.attention import band_attention
-    from meshtron.parallel.context import (chunk_positions, flex_attention, halo_block_mask,
-                                           halo_keys)
+    from meshtron.model.cp_halo_plan import halo_plan
+    from meshtron.parallel.context import chunk_positions, flex_attention
+    from meshtron.parallel.cp_halo import halo_block_mask, halo_keys
 
     pos = chunk_positions(seq, cp, rank)
-    kv_pos, seg = halo_keys(seq, cp, rank, halo)
+    plan = halo_plan(seq, cp, rank, window)
+    kv_pos = halo_keys(plan)
     kl, vl = k[:, :, kv_pos], v[:, :, kv_pos]
     c = seq // (2 * cp)
     outs = []
     for i in (0, 1):
-        rows = kv_pos[seg == i]
-        before = int((rows < pos[i * c]).sum())
-        outs.append(band_attention(q[:, :, pos[i * c:(i + 1) * c]], kl[:, :, seg == i],
-                                   vl[:, :, seg == i], window, before,
-                                   None if doc is None else doc[:, rows]))
+        first, rows, before = plan.chunk_keys(i)
+        keys = kv_pos[first:first + rows]
+        outs.append(band_attention(q[:, :, pos[i * c:(i + 1) * c]], kl[:, :, first:first + rows],
+                                   vl[:, :, first:first + rows], window, before,
+                                   None if doc is None else doc[:, keys]))
     note("cp halo band", torch.cat(outs, dim=2), want[:, :, pos])
-    blk = halo_block_mask(pos, kv_pos, seg, None if doc is None else doc[:, pos],
+    blk = halo_block_mask(pos, kv_pos, None if doc is None else doc[:, pos],
                           None if doc is None else doc[:, kv_pos], window)
     note("cp halo flex", flex_attention(q[:, :, pos], kl, vl, blk), want[:, :, pos])
 
@@ -183,7 +187,11 @@ MODEL_CASES = [("gemma3", 10, 48, 3, True, 4), ("gemma3", 10, 48, 3, False, 4),
                ("gemma3", 7, 48, 3, True, 3), ("gemma3", 1, 32, 2, True, 2),
                ("starcoder2", 10, 48, 3, True, 4), ("starcoder2", 5, 48, 2, True, 2),
                ("gemma3", 60, 48, 2, True, 2), ("starcoder2", 48, 48, 2, True, 2),
-               ("gemma3", 7, 48, 3, True, 4)]  # halo = a whole chunk of 6
+               ("gemma3", 7, 48, 3, True, 4),  # halo = a whole chunk of 6
+               # halos over several chunks: 19 rows before a query (chunks of 6, cp 4: chunk
+               # b's reach rank cp-1's chunk a), 29 (chunks of 8, cp 3), 19 (chunks of 12, cp 2)
+               ("gemma3", 20, 48, 3, True, 4), ("starcoder2", 30, 48, 2, True, 3),
+               ("gemma3", 20, 48, 2, False, 2)]
 """(kind, window, seq, batch, documents, cp)."""
 
 

@@ -64,7 +64,7 @@ PRIVATE_APIS: dict[str, str] = {
         "context parallelism without documents, CPU backward (parallel/cp_sdpa.py)",
     "torch.distributed._functional_collectives.all_to_all_single_autograd":
         "expert parallelism's token exchange (parallel/expert.py); context parallelism's "
-        "sliding-window halo exchange (parallel/context.py)",
+        "sliding-window halo exchange (parallel/cp_halo.py)",
     "torch.distributed._functional_collectives.AsyncCollectiveTensor":
         "waiting for compiled blocks' collectives (parallel/compile.py)",
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper":

@@ -9,10 +9,12 @@ every gradient and every parameter (fp32 tolerance). The same launch counts the 
 one forward + backward (kinds, counts, bytes) against the formula, and checks FlexAttention's
 document block mask (the CUDA path; forward only, as CPU FlexAttention has no backward) against
 the CPU mask path, and its sliding-window block masks (windows of 3 and 6, with and without
-documents) against attend_window's CPU path over the real group. Sliding blocks (a
+documents) against attend_window's CPU path over the real group, and the halo path's block
+masks (all-sliding models, windows reaching into two and three chunks). Sliding blocks (a
 Gemma-3-style model, float64, documents) at cp=4 and cp=2 with windows shorter than a chunk, of
-chunk + 1 and longer: one process's loss and gradients, and what moved (the halo all_to_all's
-bytes where the window fits in a chunk, the whole-sequence all-gather otherwise). Bad input:
+a whole chunk, reaching into two and three chunks, and near the sequence: one process's loss
+and gradients, and what moved (the halo all_to_all's rows, counted position by position, where
+the halo pays; the whole-sequence all-gather otherwise). Bad input:
 a sequence that does not split into 2*cp chunks, a model with learned positions -> one line.
 """
 
@@ -181,14 +183,15 @@ def _flex_model_matches_mask_path(group) -> dict:
     """What a GPU runs under CP, layer by layer (`ContextParallel.kernel = "flex"`: the block
     masks `context` hands each layer, eager FlexAttention, forward) against the CPU path: a
     Gemma-3-style debug model (block 0 slides in a window of 3, shorter than a chunk of 4, at a
-    RoPE base of its own; block 1 global) and an all-sliding one (a window of 6: no plain
-    document mask built), with and without documents. Returns the worst logit difference and
-    which block masks were built (the flex path must have run)."""
+    RoPE base of its own; block 1 global) and all-sliding ones (windows of 6 and 13, reaching
+    into two and three chunks: no plain document mask built), with and without documents.
+    Returns the worst logit difference and which block masks were built (the flex path must
+    have run)."""
     from meshtron.model.transformer import Transformer
     from meshtron.parallel.context import apply_context_parallel, shard_batch
 
     out = {"worst": 0.0, "blocks": {}}
-    for window, every in ((3, 2), (6, 0)):
+    for window, every in ((3, 2), (6, 0), (13, 0)):
         spec = _spec().replace(sliding_window=window, window_every=every, rope_local_theta=100.0)
         for documents in (False, True):
             model = Transformer(spec, init_seed=7)
@@ -201,7 +204,7 @@ def _flex_model_matches_mask_path(group) -> dict:
                 got = model(tokens)
                 ctx = cp.context(tokens, model)
             out["worst"] = max(out["worst"], (got - want).abs().max().item())
-            out["blocks"][every, documents] = (ctx.attend.keywords["block"] is not None,
+            out["blocks"][window, documents] = (ctx.attend.keywords["block"] is not None,
                                                ctx.window_attend.keywords["block"] is not None)
     return out
 
@@ -228,24 +231,46 @@ class _Count:
         self.mode = Mode()
 
 
-# cp -> windows: shorter than a chunk (c = SEQ / 2cp), c + 1 (the halo is a whole chunk), c + 2
-# (window - 1 > c: the whole sequence gathered)
-HALO_WINDOWS = {4: (3, 5, 6), 2: (3, 9, 10)}
+# cp -> windows (c = SEQ / 2cp): shorter than a chunk, reaching into two chunks, into three (cp 4:
+# chunk b's rows before it include the rank's chunk a), a whole chunk (cp 2), and long enough
+# that the halo would move as much as the gather (the whole sequence gathered instead)
+HALO_WINDOWS = {4: (3, 6, 13, 25), 2: (3, 9, 12, 17)}
+FP32_WINDOWS = {4: (6, 13), 2: (12,)}
+"""The windows over several chunks run in float32 too (the dtype a run trains in)."""
+
+
+def _halo_rows_moved(seq: int, cp: int, rank: int, window: int) -> tuple[int, int] | None:
+    """(rows received, rows sent) by `rank` in the halo exchange, counted position by
+    position (the keys each rank's queries see, less the rows it holds), or None where they
+    are not fewer than the gather's (cp-1)/cp x seq on every rank."""
+    c = seq // (2 * cp)
+
+    def own(r):
+        return set(range(r * c, (r + 1) * c)) | set(range((2 * cp - 1 - r) * c, (2 * cp - r) * c))
+
+    def needed(r):
+        return {p for q in own(r) for p in range(max(0, q - window + 1), q + 1)} - own(r)
+
+    if max(len(needed(r)) for r in range(cp)) >= (cp - 1) * seq // cp:
+        return None
+    return len(needed(rank)), sum(len(needed(d) & own(rank)) for d in range(cp) if d != rank)
 
 
 def _window_matches_one_process(group, cp: int, rank: int) -> dict:
-    """A Gemma-3-style debug model (block 0 slides, block 1 global), float64, documents
-    crossing the chunk borders: one forward + backward under CP against one process for each
-    of HALO_WINDOWS[cp]; (worst loss and gradient differences, collectives seen) per window."""
+    """A Gemma-3-style debug model (block 0 slides, block 1 global), documents crossing the
+    chunk borders: one forward + backward under CP against one process for each of
+    HALO_WINDOWS[cp] in float64 and FP32_WINDOWS[cp] in float32; (worst loss and gradient
+    differences, collectives seen) per (dtype, window)."""
     import torch.distributed as dist
 
     from meshtron.model.transformer import Transformer, cross_entropy_loss
     from meshtron.parallel.context import apply_context_parallel, shard_batch
 
-    torch.set_default_dtype(torch.float64)
     x, y = _batches()[0]
     out = {}
-    for window in HALO_WINDOWS[cp]:
+    for dtype, window in ([("float64", w) for w in HALO_WINDOWS[cp]]
+                          + [("float32", w) for w in FP32_WINDOWS[cp]]):
+        torch.set_default_dtype(getattr(torch, dtype))
         spec = _spec().replace(sliding_window=window, window_every=2, rope_local_theta=100.0)
         ref = Transformer(spec, init_seed=7)
         ref.document_eos = EOS
@@ -265,7 +290,7 @@ def _window_matches_one_process(group, cp: int, rank: int) -> dict:
         for (n, p), rp in zip(model.named_parameters(), ref.parameters()):
             dist.all_reduce(p.grad, group=group)
             grad = max(grad, ((p.grad - rp.grad).abs().max() / rp.grad.abs().max()).item())
-        out[window] = {"loss": abs(loss.item() / cp - ref_loss.item()), "grad": grad,
+        out[dtype, window] = {"loss": abs(loss.item() / cp - ref_loss.item()), "grad": grad,
                        "collectives": {k: tuple(v) for k, v in count.seen.items()}}
     torch.set_default_dtype(torch.float32)
     return out
@@ -341,9 +366,10 @@ def _check(results: list[dict]) -> None:
         # (global blocks' document mask, sliding blocks' band mask) built; none for global
         # blocks without documents (flash kernels) or where every block slides
         assert res["flex_model"]["worst"] < 1e-5, (rank, res["flex_model"])
-        assert res["flex_model"]["blocks"] == {(2, False): (False, True), (2, True): (True, True),
-                                               (0, False): (False, True),
-                                               (0, True): (False, True)}, res["flex_model"]
+        assert res["flex_model"]["blocks"] == {(3, False): (False, True), (3, True): (True, True),
+                                               (6, False): (False, True), (6, True): (False, True),
+                                               (13, False): (False, True),
+                                               (13, True): (False, True)}, res["flex_model"]
         _check_windows(rank, res["window"])
     spec = _spec()
     # Per layer, forward: all-gather of K and of V, each the full sequence's kv heads in fp32;
@@ -362,19 +388,25 @@ def _check(results: list[dict]) -> None:
 
 def _check_windows(rank: int, windows: dict) -> None:
     """Sliding blocks under CP: the one-process loss and gradients (float64: the same
-    function), and what moved: a window whose halo fits in the previous chunk exchanges the
-    window - 1 rows before each local chunk (one all_to_all of K and V; backward the same rows'
-    gradients) and gathers K/V only for the global block; a longer one gathers everything."""
+    function), and what moved: where the halo pays, the rows before the local chunks that
+    their windows reach, each once, from the ranks holding them (one all_to_all of K and V;
+    backward the same rows' gradients the other way) and K/V gathered only for the global
+    block; a window so long that the halo would move as much as the gather gathers
+    everything."""
     spec = _spec()
-    row = BATCH * spec.kv_heads * 2 * spec.head_dim * 8  # one position's K and V, float64
+    row = BATCH * spec.kv_heads * 2 * spec.head_dim  # one position's K and V, elements
     for cp, results in windows.items():
         cp_rank = rank % cp
-        for window, got in results.items():
-            assert got["loss"] < TOL and got["grad"] < 1e-12, (rank, cp, window, got)
+        for (dtype, window), got in results.items():
+            # float64: the same function up to rounding; float32: the fp32 runs' tolerance
+            tol = 1e-12 if dtype == "float64" else TOL
+            assert got["loss"] < TOL and got["grad"] < tol, (rank, cp, window, got)
             seen = got["collectives"]
-            if window - 1 <= SEQ // (2 * cp):  # halos: rank 0's chunk 0 has none
-                rows = (window - 1) * (2 if cp_rank else 1)
-                assert seen["all_to_all_single"] == (2, 2 * rows * row), (rank, cp, window, seen)
+            moved = _halo_rows_moved(SEQ, cp, cp_rank, window)
+            if moved is not None:
+                size = {"float64": 8, "float32": 4}[dtype]
+                assert seen["all_to_all_single"] == (2, sum(moved) * row * size), (rank, cp,
+                                                                                 window, seen)
                 assert seen["all_gather_into_tensor"][0] == 2 + 1, seen  # global K, V; doc ids
             else:
                 assert "all_to_all_single" not in seen, (rank, cp, window, seen)
@@ -465,7 +497,7 @@ def test_document_block_mask_is_exact_and_compiled_on_cuda():
 
     from meshtron.model.attention import _compiled
     from meshtron.parallel.context import block_mask, chunk_positions, flex_attention
-    from meshtron.parallel.context import mask_builder
+    from meshtron.parallel.cp_flex import mask_builder
 
     pos = chunk_positions(SEQ, 2, 1)
     doc = torch.zeros(BATCH, SEQ, dtype=torch.long)

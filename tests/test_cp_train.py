@@ -9,7 +9,8 @@ every parameter to 1e-5 relative (the sweep's tolerance, tests/test_parallel.py)
 launch counts one step's collectives against the planner (FSDP2's: `step_collectives`;
 attention's K/V all-gathers and reduce-scatters: counts and bytes). One 2-rank `meshtron train
 --plan cp=2` of a windowed model with packed documents against one process, its doctor trace
-showing the sliding block's halo exchange (window - 1 rows, not the whole sequence).
+showing the sliding block's halo exchange (window - 1 rows, not the whole sequence), and one
+with a window reaching over two chunks.
 Slow: more compositions (the plain model with documents at cp=2 x dp=2; ZeRO-2 with micro-batches, full recomputation and documents; tp x cp
 ZeRO-3 with selective recomputation and documents; cp=4; the windowed model under tp x cp and
 at cp=4), a DCP checkpoint saved at cp=2 x dp=2 and resumed at cp=1 (dp=4 ZeRO-3, and tp=2 x
@@ -366,10 +367,46 @@ def test_train_cli_cp2_window_with_documents_equals_one_process(tmp_path):
     for other in ("causal", "no_window"):
         assert rows[other][-1]["loss"] != pytest.approx(rows["one"][-1]["loss"], rel=1e-4)
     # the sliding block exchanged only the window - 1 = 5 rows before each chunk (none before
-    # rank 0's chunk 0), K and V side by side, instead of all-gathering the sequence: the
-    # run's own collective records (meshtron doctor's trace)
-    for rank, rows_moved in ((0, 5), (1, 10)):
-        trace = json.loads((tmp_path / "cp" / "trace" / f"rank_{rank}.json").read_text())
+    # rank 0's chunk 0; rank 1's chunk b = 2 follows its own chunk 1), K and V side by side,
+    # instead of all-gathering the sequence: the run's own collective records (meshtron
+    # doctor's trace; forward receives, backward returns the sent rows' gradients)
+    _check_halo_trace(tmp_path / "cp", {0: {5}, 1: {5}})
+
+
+def _check_halo_trace(run, rows: dict[int, set[int]]) -> None:
+    """The cp all_to_alls in each rank's doctor trace moved `rows[rank]` rows (the first
+    dimensions of their outputs), K and V of the debug model side by side."""
+    for rank, rows_moved in rows.items():
+        trace = json.loads((run / "trace" / f"rank_{rank}.json").read_text())
         halos = {tuple(r["shapes"][0]) for r in trace["records"]
                  if r["op"] == "all_to_all_single" and r["axis"] == "cp"}
-        assert halos == {(rows_moved, 4, 2, 32)}, (rank, halos)  # rows, batch, kv heads, K|V
+        assert halos == {(n, 4, 2, 32) for n in rows_moved}, (rank, halos)  # batch, kv heads
+
+
+WIDE_WINDOW_RUN = [*RUN, "--set", "model.sliding_window=12", "--set", "model.window_every=2",
+                   "--set", "model.rope_local_theta=100.0"]
+"""Block 0 slides in a window of 12: its 11 rows before a query reach into two cp=2 chunks of
+8 tokens."""
+
+
+def test_train_cli_cp2_window_over_two_chunks_equals_one_process(tmp_path):
+    """`meshtron train --nproc 2 --plan cp=2` of a model whose window reaches past the previous
+    chunk (window - 1 = 11 > c = 8), packed documents: the single-process run's losses and
+    gradient norms (fp32), and the sliding block's halo exchange moved only the rows its
+    queries see: rank 0 (chunks 0, 3) receives rows 13..23 (11: chunks 1 and 2 of rank 1)
+    and sends chunk 0 (8 rows: rank 1's chunk 1 sees all of it; its chunk 2's rows 5..15 lie
+    in chunk 0 and in its own chunk 1, each laid out once)."""
+    from meshtron.cli import main
+
+    docs = [*_short_documents(tmp_path), "--attention-mask", "document"]
+    runs = {"cp": ["--nproc", "2", "--plan", "cp=2", *WIDE_WINDOW_RUN, *docs],
+            "one": ["--nproc", "1", *WIDE_WINDOW_RUN, *docs]}
+    rows = {}
+    for name, args in runs.items():
+        assert main(["train", *args, "--run-dir", str(tmp_path / name)]) == 0, name
+        rows[name] = _metrics(tmp_path / name)
+    assert len(rows["one"]) == len(rows["cp"]) == 3
+    for a, b in zip(rows["one"], rows["cp"]):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= TOL * abs(a[key]), (key, a, b)
+    _check_halo_trace(tmp_path / "cp", {0: {11, 8}, 1: {8, 11}})

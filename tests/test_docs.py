@@ -214,6 +214,12 @@ HF_CONFIG = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28
              "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
              "rope_theta": 500000.0, "tie_word_embeddings": False}
 """What `path/to/config.json` stands for in plan.md: a Llama-3-70B-shaped Hugging Face config."""
+MISTRAL_CONFIG = {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+                  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                  "vocab_size": 32000, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+                  "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False}
+"""What `path/to/mistral/config.json` stands for in long-context.md: Mistral-7B-v0.1's config
+(a 4096-token window in every block)."""
 
 EXPECTED_RC = {"doctor --nccl-log": 3}  # the fixture logs show errors: exit 3 (diagnose.md)
 SLOW_ONLY = {"--gpus": "a 9-size sweep re-plans at every size (~55 s)",
@@ -232,6 +238,8 @@ def _user_folder(tmp_path: Path) -> Path:
     (tmp_path / ".venv").symlink_to(venv)
     (tmp_path / "path/to").mkdir(parents=True)
     (tmp_path / "path/to/config.json").write_text(json.dumps(HF_CONFIG))
+    (tmp_path / "path/to/mistral").mkdir()
+    (tmp_path / "path/to/mistral/config.json").write_text(json.dumps(MISTRAL_CONFIG))
     for _, body in _toml_blocks():
         if "gpus_per_node" in body:
             (tmp_path / "my-cluster.toml").write_text(body)

@@ -41,14 +41,8 @@ queries in chunks of the window against the at most 2 x window - 1 gathered keys
 with an exact boolean mask. The global blocks keep the paths above. Gemma 3's sliding blocks
 rotate with a table of their own at the tokens' `positions`.
 
-Halos: a query of chunk j reaches keys [jc - window + 1, (j+1)c), its own chunk and the last
-window - 1 rows of chunk j-1. Where those fit in one chunk (window - 1 <= c, `halo_rows`) a
-sliding block gathers nothing: each rank sends the tails of its two chunks to the ranks holding
-the next chunks (`exchange_halos`, one all_to_all of K and V between neighbours) and attends
-over [halo, chunk] per chunk (`attend_halo`): 2(w-1) rows moved and seq/cp + 2(w-1) kept per
-rank instead of (cp-1)/cp x seq received and seq kept (at 128k tokens, cp 8, Gemma 3's window
-of 1024: 2046 rows received instead of 114688, 18430 kept instead of 131072). The
-document ids of the halo rows are read from the ids already gathered once per forward.
+Halos: where the window is short enough a sliding block gathers nothing; each rank fetches
+only the rows before its chunks that their windows reach (parallel/cp_halo.py).
 
 Use: `apply_context_parallel(model, group)` sets `model.context_parallel`; the model's forward
 then takes this rank's chunks (`shard_batch`) and its attention calls `ContextParallel.attend`.
@@ -68,6 +62,8 @@ import torch.nn.functional as F
 
 from meshtron.errors import UserError
 from meshtron.model.attention import band_attention
+from meshtron.parallel.cp_flex import BAND_BLOCKS, block_mask, flex_attention
+from meshtron.parallel.cp_halo import halo_attend, halo_rows
 from meshtron.parallel.cp_sdpa import chunk_attention, kernel_for
 
 
@@ -132,8 +128,8 @@ class AttentionContext:
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     """(q [b, h, seq/cp, d], local k, v [b, kv_heads, seq/cp, d]) -> out [b, h, seq/cp, d]."""
     window_attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    """The same for the sliding blocks (ContextParallel.attend_halo where the window fits in a
-    chunk, else attend_window over the whole gathered sequence); None where no block
+    """The same for the sliding blocks (cp_halo.attend_halo where the halo pays, `halo_rows`,
+    else attend_window over the whole gathered sequence); None where no block
     slides or the sequence fits in the window (then the band is causal attention)."""
     positions: torch.Tensor | None = None
     """RoPE positions of this rank's tokens: [seq/cp] global, or [batch, seq/cp] inside their
@@ -200,58 +196,18 @@ class ContextParallel:
         one-process band's)."""
         if not window:
             return None
-        halo = halo_rows(seq, self.cp, window)
-        if halo is not None:
-            return self._halo_attend(window, halo, pos, q_doc, kv_doc, seq, flex)
+        if halo_rows(seq, self.cp, window) is not None:
+            return halo_attend(self.group, self.cp, self.rank, window, pos, q_doc, kv_doc, seq,
+                               flex)
         block = None
         if flex and q_doc is not None:
             block = block_mask(pos, q_doc, kv_doc, q_doc.shape[0], seq, window)
         elif flex:
             key = (seq, self.cp, self.rank, window, str(pos.device))
-            if key not in _WINDOW_BLOCKS:
-                _WINDOW_BLOCKS[key] = block_mask(pos, None, None, 1, seq, window)
-            block = _WINDOW_BLOCKS[key]
+            if key not in BAND_BLOCKS:
+                BAND_BLOCKS[key] = block_mask(pos, None, None, 1, seq, window)
+            block = BAND_BLOCKS[key]
         return partial(self.attend_window, window=window, kv_doc=kv_doc, block=block)
-
-    def _halo_attend(self, window: int, halo: int, pos: torch.Tensor, q_doc, kv_doc,
-                     seq: int, flex: bool):
-        """The sliding blocks' attention over this rank's chunks and their halos
-        (`attend_halo`); `flex` with the block mask of the local keys (per forward with
-        documents, kept per shape without)."""
-        block = None
-        key = (seq, self.cp, self.rank, window, "halo", str(pos.device))
-        if flex and (q_doc is not None or key not in _WINDOW_BLOCKS):
-            kv_pos, kv_seg = halo_keys(seq, self.cp, self.rank, halo, pos.device)
-            if q_doc is not None:  # the halo rows' document ids: from the gathered ids
-                block = halo_block_mask(pos, kv_pos, kv_seg, q_doc, kv_doc[:, kv_pos], window)
-            else:
-                _WINDOW_BLOCKS[key] = halo_block_mask(pos, kv_pos, kv_seg, None, None, window)
-        if flex and q_doc is None:
-            block = _WINDOW_BLOCKS[key]
-        return partial(self.attend_halo, window=window, halo=halo, kv_doc=kv_doc, block=block)
-
-    def attend_halo(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
-                    halo: int, kv_doc: torch.Tensor | None = None,
-                    block: Any = None) -> torch.Tensor:
-        """Sliding-window attention of the local queries against their own chunks and the
-        `halo` keys before each (`exchange_halos`): the band's exact CPU path per chunk
-        (`band_attention` with the chunk's first query at row `halo` of its keys), or `block`
-        (CUDA) the band's FlexAttention block mask over [halo a, chunk a, halo b, chunk b]."""
-        c = q.shape[2] // 2
-        kv = torch.cat([k, v], dim=3)  # one exchange for K and V (their head sizes may differ)
-        halo_a, halo_b = exchange_halos(kv, self.group, self.cp, self.rank, halo)
-        keys = [torch.cat([halo_a, kv[:, :, :c]], 2), torch.cat([halo_b, kv[:, :, c:]], 2)]
-        dk = k.shape[3]
-        if block is not None:
-            both = torch.cat(keys, 2)
-            return flex_attention(q, both[..., :dk], both[..., dk:], block)
-        outs = []
-        for i, (chunk, kv_i) in enumerate(zip(self.chunks(), keys)):
-            before = kv_i.shape[2] - c  # halo rows (none before chunk 0)
-            doc = None if kv_doc is None else kv_doc[:, chunk * c - before:(chunk + 1) * c]
-            outs.append(band_attention(q[:, :, i * c:(i + 1) * c], kv_i[..., :dk],
-                                       kv_i[..., dk:], window, before, doc))
-        return torch.cat(outs, dim=2)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                q_doc: torch.Tensor | None = None, kv_doc: torch.Tensor | None = None,
@@ -295,131 +251,6 @@ class ContextParallel:
         return torch.cat([band_attention(q[:, :, i * c:(i + 1) * c], k, v, window, chunk * c,
                                          kv_doc)
                           for i, chunk in enumerate(self.chunks())], dim=2)
-
-
-_WINDOW_BLOCKS: dict[tuple, Any] = {}
-"""Band block masks without documents, per (seq, cp, rank, window, device)."""
-
-
-def halo_rows(seq: int, cp: int, window: int) -> int | None:
-    """Keys a sliding block's chunk needs from before its start (window - 1), or None where
-    they reach past the previous chunk (window - 1 > c = seq / 2cp): then the whole sequence
-    is gathered instead (a halo from several chunks and ranks is not worth its bookkeeping
-    at such short chunks)."""
-    return window - 1 if window - 1 <= seq // (2 * cp) else None
-
-
-def exchange_halos(x: torch.Tensor, group, cp: int, rank: int,
-                   halo: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the `halo` rows before chunk a, those before chunk b) of this rank's chunks a = rank,
-    b = 2cp-1-rank, from x [b, heads, 2c, d] on every rank. Chunk j's halo is the tail of
-    chunk j-1: chunk a's comes from rank-1's first chunk (none for rank 0: chunk 0 starts the
-    sequence); chunk b's from rank+1's second chunk, or for rank cp-1 (b = cp) from its own
-    first chunk. So each rank sends its tails to its neighbours: one all_to_all_single of
-    known split sizes (no host sync), differentiable (backward returns each halo's gradient to
-    the rank that owns its rows: torch's `all_to_all_single_autograd`)."""
-    from meshtron.torch_compat import require
-
-    exchange = require("torch.distributed._functional_collectives.all_to_all_single_autograd",
-                       "context parallelism's halo exchange")
-    c = x.shape[2] // 2
-    sent, received = [0] * cp, [0] * cp  # rows per destination / source rank
-    tails = []
-    if rank > 0:  # the tail of chunk b goes to rank-1 (its chunk b + 1 = 2cp-rank)
-        tails.append(x[:, :, 2 * c - halo:])
-        sent[rank - 1] = halo
-        received[rank - 1] = halo  # rank-1's tail of chunk a = rank-1
-    tails.append(x[:, :, c - halo:c])  # the tail of chunk a, to the holder of chunk rank+1
-    sent[min(rank + 1, cp - 1)] += halo
-    received[min(rank + 1, cp - 1)] += halo
-    # sequence first: all_to_all_single splits dim 0
-    send = torch.cat(tails, dim=2).permute(2, 0, 1, 3).contiguous()
-    got = exchange(send, received, sent, group).permute(1, 2, 0, 3)
-    first = halo if rank > 0 else 0
-    return got[:, :, :first], got[:, :, first:]
-
-
-def halo_keys(seq: int, cp: int, rank: int, halo: int,
-              device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(global positions, local chunk 0 / 1) of the keys `attend_halo` lays out:
-    [halo a, chunk a, halo b, chunk b]. The chunk index keeps a query to its own chunk's keys:
-    rank cp-1's halo b repeats the tail of its chunk a."""
-    c = seq // (2 * cp)
-    parts = [torch.arange(max(0, j * c - halo), (j + 1) * c, device=device)
-             for j in (rank, 2 * cp - 1 - rank)]
-    seg = torch.cat([torch.full_like(p, i) for i, p in enumerate(parts)])
-    return torch.cat(parts), seg
-
-
-def halo_block_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor, kv_seg: torch.Tensor,
-                    q_doc: torch.Tensor | None, kv_doc: torch.Tensor | None, window: int):
-    """FlexAttention block mask of the local queries (global positions `q_pos`: chunk a then
-    chunk b) against the keys at `kv_pos` (`halo_keys`): the band, inside the query's own
-    chunk's keys (`kv_seg`), and inside documents with document ids (kv_doc [b, keys])."""
-    c = q_pos.numel() // 2
-
-    def band(q_idx, kv_idx):
-        gap = q_pos[q_idx] - kv_pos[kv_idx]
-        return (gap >= 0) & (gap < window) & (q_idx // c == kv_seg[kv_idx])
-
-    if q_doc is None:
-        def mask_mod(b, h, q_idx, kv_idx):
-            return band(q_idx, kv_idx)
-        batch = None
-    else:
-        batch = q_doc.shape[0]
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return band(q_idx, kv_idx) & (q_doc[b, q_idx] == kv_doc[b, kv_idx])
-    build = mask_builder(q_pos.device)
-    return build(mask_mod, batch, None, q_pos.numel(), kv_pos.numel(), device=q_pos.device)
-
-
-def block_mask(q_pos: torch.Tensor, q_doc: torch.Tensor | None, kv_doc: torch.Tensor | None,
-               batch: int, seq: int, window: int = 0):
-    """FlexAttention block mask of the local queries (global positions `q_pos`) against the
-    whole sequence: causal, inside each document when document ids are given, and within the
-    last `window` keys with a window. Blocks the mask empties are skipped (the causal half of
-    the work on average, all but the band with a window; no S x S tensor)."""
-    def causal(q_idx, kv_idx):
-        seen = kv_idx <= q_pos[q_idx]
-        return seen & (q_pos[q_idx] - kv_idx < window) if window else seen
-
-    if q_doc is None:
-        def mask_mod(b, h, q_idx, kv_idx):
-            return causal(q_idx, kv_idx)
-        batch = None
-    else:
-        def mask_mod(b, h, q_idx, kv_idx):
-            return causal(q_idx, kv_idx) & (q_doc[b, q_idx] == kv_doc[b, kv_idx])
-    build = mask_builder(q_pos.device)
-    return build(mask_mod, batch, None, q_pos.numel(), seq, device=q_pos.device)
-
-
-def mask_builder(device: torch.device) -> Callable:
-    """`create_block_mask`, compiled on CUDA (the process-wide one model/attention.py uses
-    for document masks), eager elsewhere (a reference path)."""
-    if device.type == "cuda":
-        from meshtron.model.attention import _compiled
-
-        return _compiled("create_block_mask")
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    return create_block_mask
-
-
-_FLEX: dict[str, Callable] = {}
-
-
-def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Any) -> torch.Tensor:
-    """FlexAttention with `block` (compiled once per process on CUDA, as torchtitan does; eager
-    elsewhere, a reference path without backward on CPU)."""
-    from torch.nn.attention.flex_attention import flex_attention as flex
-
-    if q.is_cuda and "cuda" not in _FLEX:
-        _FLEX["cuda"] = torch.compile(flex)
-    return _FLEX.get("cuda" if q.is_cuda else "", flex)(q, k, v, block_mask=block,
-                                                         enable_gqa=True)
 
 
 def apply_context_parallel(model: Any, group) -> ContextParallel:

@@ -15,6 +15,7 @@ GEMMs and moves the a*s^2 score matrix through softmax (and dropout) in HBM.
 
 from __future__ import annotations
 
+from meshtron.model.cp_halo_plan import halo_rows, halo_traffic
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm, flash_isa, host
 from meshtron.planner.cluster import ClusterSpec
@@ -36,15 +37,15 @@ def ring_issue(cp: int, per_op_s: float, issue_f: float, issue_b: float,
 
 
 def cp_halo_rows(model: ModelSpec, seq: int, cp: int) -> int | None:
-    """Rows of K/V a sliding block's local chunk needs from before its start under meshtron's
-    context parallelism (parallel/context.py `halo_rows`): window - 1, exchanged with the
-    neighbouring ranks instead of all-gathering the sequence, where they fit in the previous
-    chunk (window - 1 <= c = seq / 2cp); None where the whole sequence is gathered (no sliding
-    block, a sequence within the window, or a window longer than a chunk)."""
+    """Rows of K/V before a query that a sliding block's band reaches under meshtron's context
+    parallelism (window - 1), fetched from the ranks holding them instead of all-gathering the
+    sequence where that moves fewer rows (the runtime's own rule, model/cp_halo_plan.py
+    `halo_rows`); None where the whole sequence is gathered (no sliding block, a sequence
+    within the window, or a window so long that the halo would move as much)."""
     w = model.sliding_window
-    if cp == 1 or not (w and model.sliding_blocks and seq > w) or w - 1 > seq // (2 * cp):
+    if cp == 1 or not (w and model.sliding_blocks and seq > w):
         return None
-    return w - 1
+    return halo_rows(seq, cp, w)
 
 
 def sliding_share(model: ModelSpec) -> float:
@@ -135,7 +136,7 @@ def cp_exposed(cluster: ClusterSpec, fab: comm.Fabric, opts: KernelOptions, dtyp
     Megatron-Core context parallelism docs). `ring` (torch's ring attention, with its
     calls' times): its own collectives, ring_attention.py; else hidden behind the core
     where the stack overlaps them (`cp_overlap`), exposed otherwise. `halo` (meshtron's
-    all-gather runtime with sliding blocks whose window fits in a chunk): (share of the
+    all-gather runtime with sliding blocks under the halo exchange, `cp_halo`): (share of the
     blocks that slide, halo rows over local rows); those blocks move the halos only."""
     kv_bytes = (4.0 if dtype == "fp32" else BF16) * 2 * kv_elems
     cpg = cp_group(tp, cp, cluster.gpus_per_node)
@@ -154,10 +155,11 @@ def cp_exposed(cluster: ClusterSpec, fab: comm.Fabric, opts: KernelOptions, dtyp
         cp_b += cp_f
         return overlapped(cp_f, core_fwd, nccl), overlapped(cp_b, core_bwd, nccl)
     if halo is not None:
-        # parallel/context.py `exchange_halos`: each rank sends the last w-1 rows of each of
-        # its two chunks to the neighbour holding the next chunk and receives as many (one
-        # all_to_all of K and V, nonzero only between neighbours: a send of 2(w-1) rows'
-        # bytes, both directions at once); backward returns the same bytes of gradients
+        # parallel/cp_halo.py `exchange_halos`: each rank receives the rows before its chunks
+        # that their windows reach from the ranks holding them (one all_to_all of K and V,
+        # priced as a send of the fullest rank's received rows' bytes, its sends at once:
+        # 2(w-1) rows where the window fits in a chunk, model/cp_halo_plan.py
+        # `halo_traffic`); backward returns the same bytes of gradients
         share, rows = halo
         moved = comm.send(kv_bytes * rows, cpg.nodes > 1, fab)
         cp_f = (1.0 - share) * cp_f + share * moved
@@ -167,12 +169,12 @@ def cp_exposed(cluster: ClusterSpec, fab: comm.Fabric, opts: KernelOptions, dtyp
 
 def cp_halo(model: ModelSpec, opts: KernelOptions, seq: int, cp: int) -> tuple[float, float] | None:
     """`cp_exposed`'s `halo` for meshtron's runtime (the all-gather design: neither
-    `cp_overlap` nor `torch_ring`): (sliding share, 2(w-1) halo rows over the seq/cp local
-    rows), or None where every block gathers the whole sequence."""
+    `cp_overlap` nor `torch_ring`): (sliding share, the fullest rank's received halo rows
+    over the seq/cp local rows), or None where every block gathers the whole sequence."""
     halo = cp_halo_rows(model, seq, cp)
     if halo is None or opts.cp_overlap or opts.torch_ring:
         return None
-    return sliding_share(model), 2.0 * halo / (seq / cp)
+    return sliding_share(model), halo_traffic(seq, cp, model.sliding_window)[0] / (seq / cp)
 
 
 def cp_group(tp: int, cp: int, gpus_per_node: int) -> comm.Group:

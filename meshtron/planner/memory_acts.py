@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 
+from meshtron.model.cp_halo_plan import halo_traffic
 from meshtron.model.mla_shapes import mla_projections
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.compute import KernelOptions
@@ -294,20 +295,20 @@ def gathered_kv_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int, cp:
     `seq` the whole sequence): with the all-gather design (`opts.cp_overlap` False: meshtron's
     runtime, meshtron/parallel/context.py) attention saves the whole sequence's K and V on every
     cp rank, which do not shrink with cp (measured: bench/cp_memory.py), but a sliding block
-    whose window fits in a chunk only its chunks and their halos; full recomputation
+    under the halo exchange only its chunks and the rows before them; full recomputation
     gathers them again in backward instead. Ring attention (p2p) keeps only the local chunk,
     and so does torch's ring (`opts.torch_ring`: its all-gathered K/V live through the forward
     call only, its backward gathers them again, _templated_ring_attention_backward)."""
     if cp == 1 or opts.cp_overlap or opts.torch_ring or recompute == "full":
         return 0.0
     rows = float(seq)
-    halo = cp_halo_rows(model, seq, cp)
-    if halo is not None:
-        # a sliding block keeps each local chunk's keys with the halo before it (context.py
-        # `attend_halo`: [halo, chunk] per chunk, seq/cp + 2(w-1) rows on a rank > 0) instead
-        # of the sequence: at 128k tokens, cp 8 and a 1024-token window 18430 rows, not 131072
+    if cp_halo_rows(model, seq, cp) is not None:
+        # a sliding block keeps its key layout (parallel/cp_halo.py `attend_halo`: the union of
+        # its chunks and the rows before them, each once; the fullest rank's,
+        # model/cp_halo_plan.py `halo_traffic`) instead of the sequence: at 128k tokens, cp 8
+        # and a 1024-token window 18430 rows, not 131072
         share = sliding_share(model)
-        rows = (1.0 - share) * seq + share * (seq / cp + 2 * halo)
+        rows = (1.0 - share) * seq + share * halo_traffic(seq, cp, model.sliding_window)[1]
     return 2.0 * micro_batch * rows * model.kv_dim / tp * mem.compute_bytes
 
 
