@@ -107,6 +107,31 @@ def test_torch_ring_adds_its_merges_and_copies():
                                                                     False, off)
 
 
+def test_compiled_torch_ring_adds_inductors_fused_bytes():
+    """Under torch.compile the block's graph holds the ring (torchtitan compiles each block with
+    fullgraph=True): its merges, casts and dk/dv accumulations are priced as inductor's fused
+    kernels (ring_attention.torch_ring_bytes_compiled) at the compiled stack's rate, fewer
+    bytes than the eager ops at every cp; at cp 2 the forward is one K/V cat and one merge
+    that reads both calls' bf16 outputs and writes the bf16 result."""
+    seq, cp = 65536, 2
+    cl = resolve_cluster("dgx-h100:1")
+    comp = dataclasses.replace(TT, stack="compiled")
+    off = dataclasses.replace(comp, torch_ring=False, cp_overlap=False)
+    base = layer_cost(L8, cl, 1, 1, seq, False, off, cp, gqa_repeat=True)
+    ring = layer_cost(L8, cl, 1, 1, seq, False, comp, cp, gqa_repeat=True)
+    e = k = seq / cp * L8.hidden
+    f, b = R.torch_ring_bytes_compiled(e, k, cp)
+    assert f == pytest.approx(8.0 * k + 6.0 * e)
+    bw = membound_bytes_per_s(cl, "compiled")
+    assert ring.fwd - base.fwd == pytest.approx(f / bw, rel=1e-9)
+    assert ring.bwd - base.bwd == pytest.approx(b / bw, rel=1e-9)
+    for n in (2, 3, 4, 8):
+        fc, bc = R.torch_ring_bytes_compiled(e, k, n)
+        fe, be = R.torch_ring_bytes(e, k, n)
+        assert 0 < fc < fe and 0 < bc < be
+        assert R.torch_ring_bytes_compiled(e, k, n + 1)[0] > fc  # one more merge per call
+
+
 def test_te_ring_adds_its_corrections_and_accumulations():
     """Transformer Engine's p2p ring (cp_overlap without torch's ring: the Megatron presets)
     adds its memory-bound ops (ring_attention.te_ring_bytes, counted from

@@ -27,7 +27,8 @@ from meshtron.model.spec import ModelSpec
 from meshtron.planner import comm, flash_unpad, host
 from meshtron.planner.placement import tp_group
 from meshtron.planner.ring_attention import (
-    te_ring_bytes, te_ring_launches, torch_ring_bytes, torch_ring_launches)
+    te_ring_bytes, te_ring_launches, torch_ring_bytes, torch_ring_bytes_compiled,
+    torch_ring_launches)
 from meshtron.planner.cluster import ClusterSpec
 from meshtron.planner.compute_core import core_time, core_widths, cp_exposed, cp_group, cp_halo, ring_issue, window_share  # noqa: F401
 from meshtron.planner.compute_edges import (  # noqa: F401  (re-exported for callers)
@@ -184,10 +185,12 @@ def layer_cost(model: ModelSpec, cluster: ClusterSpec, tp: int, micro_batch: int
     # K/V elements per rank that context parallelism moves: every query head where repeated
     kv_moved = h if gqa_repeat else kv
     # torch's ring: its fp32 merges and copies (ring_attention.py; its byte counts are of a
-    # bf16 core, so an fp32 run keeps the plain exchange)
+    # bf16 core, so an fp32 run keeps the plain exchange); a compiled block traces the ring,
+    # and inductor fuses them (torch_ring_bytes_compiled)
     torch_ring = cp > 1 and opts.torch_ring and ring is not None and other_dt == "bf16"
     if torch_ring:
-        ring_f, ring_b = torch_ring_bytes(tokens * h / tp, tokens * kv_moved / tp, cp)
+        ring_bytes = torch_ring_bytes_compiled if opts.stack == "compiled" else torch_ring_bytes
+        ring_f, ring_b = ring_bytes(tokens * h / tp, tokens * kv_moved / tp, cp)
         elem_f, elem_b = elem_f + ring_f / bw, elem_b + ring_b / bw
     # Transformer Engine's p2p ring (the overlapped exchange that is not torch's): its output
     # corrections, K/V buffer copies and dq / dkv accumulations (ring_attention.te_ring_bytes)

@@ -40,6 +40,35 @@ Backward (`_templated_ring_attention_backward`, accumulation in fp32):
 The log-sum-exp tensors are head_dim times smaller and left out of the bytes (not of the
 launches: `torch_ring_launches`).
 
+Under torch.compile (`torch_ring_bytes_compiled`, KernelOptions.stack 'compiled') the ring is
+traced into the block's graph: torchtitan compiles each TransformerBlock with
+`torch.compile(block, fullgraph=True)` (parallelize_llama.py `apply_compile`, 2024-2025), so
+the patched SDPA and the `_sdpa_handler` it dispatches to are traced, not run op by op
+(`_maybe_wait`: "When tracing the code, the result tensor is not an AsyncCollectiveTensor";
+torch's test_attention.py `test_ring_attention_compile` compiles the ring with fullgraph=True),
+forward and backward alike (AOTAutograd runs the backward handler while tracing the joint
+graph). Inductor then runs the memory-bound ops between two flash calls as one fused kernel
+and drops what no one reads: the all-gather rotater consumes only the first K/V cat, so the
+cp - 2 later cats are dead code; `.contiguous()` of SDPA's head-major views fuses into the
+kernel that produces K/V; zeros + the first `+=` is one cast. Per layer and rank, same E, K
+and rank as above:
+Forward:
+  the K/V cat for the all-gather                                        (4+4) K
+  each later call's merge, the previous call's `.to(float32)` and the
+    last one's cast back folded in: reads the running output (bf16 from
+    the first call, fp32 after) and the call's bf16 output, writes fp32
+    (bf16 after the last call)                                          (2+2+2) E at cp 2;
+                                                                         (2+2+4) E, (4+2+4) E
+                                                                         each middle one,
+                                                                         (4+2+2) E
+Backward:
+  the K/V cat for the all-gather                                        (4+4) K
+  the first call's dk/dv cast to fp32 into the first send's cat         (2+2) K + 8 K
+  each later call: the received fp32 dk/dv plus the call's half-key
+    dk/dv (`_partial_update`), written into the next send's cat         8 K + 2 K + 8 K
+  dq: the cp calls' bf16 dq summed and cast back in one kernel          2 E cp + 2 E
+  the last received dk/dv back to bf16                                  (4+2) 2 K
+
 Collectives (`_create_rotater`, torchtitan's `context_parallel_rotate_method` default
 'allgather'): forward and backward each all-gather the local K/V once (`_AllGatherRotater`:
 issued before the first call, waited before the second, so only the first call hides it);
@@ -125,6 +154,17 @@ def torch_ring_bytes(e: float, k: float, cp: int) -> tuple[float, float]:
     fwd = 8.0 * k + 8.0 * k * (cp - 1) + 6.0 * e * cp + 32.0 * e * (cp - 1) + 6.0 * e
     bwd = (4.0 * e + 8.0 * k + 8.0 * k + 8.0 * k * (cp - 1) + 10.0 * (2 * k + e)
            + (26.0 * k + 10.0 * e) * (cp - 1) + 16.0 * k * cp + 6.0 * e + 12.0 * k)
+    return fwd, bwd
+
+
+def torch_ring_bytes_compiled(e: float, k: float, cp: int) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per layer and rank of the ops around the flash calls where
+    torch.compile traces the ring (module docstring, 'Under torch.compile'): inductor's fused
+    merges, one K/V cat per pass, the fp32 dk/dv accumulations written into their send
+    buffers; for `e` query and `k` key elements on this rank (cp > 1)."""
+    merges = 10.0 * e * (cp - 1) - 4.0 * e  # 6 E at cp 2; 8 E + 10 E (cp - 3) + 8 E above
+    fwd = 8.0 * k + merges
+    bwd = 8.0 * k + 12.0 * k + 18.0 * k * (cp - 1) + 2.0 * e * (cp + 1) + 12.0 * k
     return fwd, bwd
 
 
