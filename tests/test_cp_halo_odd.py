@@ -100,3 +100,75 @@ def test_halo_at_odd_cp_is_the_dense_band_with_gradients():
     ran = {w for (w, _), (halo, _) in results[0]["calls"].items() if halo}
     assert {1, C + 1, 2 * C, 2 * C + 1, 3 * C + 1, 4 * C} <= ran, ran  # one chunk .. four
     assert max(WINDOWS) not in ran  # and past the threshold the gather ran
+
+
+def _kept_by_selective_rank(window: int) -> dict:
+    """Positions of K and V the selective recomputation policy (parallel/recompute.py) keeps
+    from one sliding Attention block's collectives under CP, read from the policy's own calls:
+    the received rows of each all_to_all it saves (K and V side by side), the positions of
+    each all-gather (K, then V)."""
+    from functools import partial
+
+    import torch.distributed as dist
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from meshtron.model.spec import PRESETS
+    from meshtron.model.transformer import Attention, Transformer
+    from meshtron.parallel import recompute
+    from meshtron.parallel.context import apply_context_parallel, shard_batch
+
+    kept = {"all_to_all_single": [], "all_gather_into_tensor": []}
+    saved = recompute._saved_ops()
+
+    def policy(ctx, op, *args, **kwargs):
+        decision = recompute._selective_policy(saved, ctx, op, *args, **kwargs)
+        name = op.__name__.split(".")[0]
+        if op in saved and name in kept and not ctx.is_recompute:
+            if name == "all_to_all_single":  # [rows, b, kv heads, K + V head]: the received
+                rows = sum(args[1]) * args[0][0].numel() / (2 * spec.kv_dim)
+            else:  # K or V of every rank (group size x the local tensor)
+                rows = args[1] * args[0].numel() / spec.kv_dim
+            kept[name].append(rows)  # positions, batch of one
+        return decision
+
+    spec = PRESETS["debug"].replace(sliding_window=window, window_every=0)
+    model = Transformer(spec, init_seed=0)
+    cp = apply_context_parallel(model, dist.group.WORLD)
+    x = torch.randint(0, 200, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    tokens = shard_batch(x, None, cp.cp, cp.rank).tokens
+    ctx = cp.context(tokens, model)
+    attn = next(m for m in model.modules() if isinstance(m, Attention))
+    h = torch.randn(1, SEQ // CP, spec.hidden, requires_grad=True)
+    out = checkpoint(attn, h, ctx, use_reentrant=False,
+                     context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    out.sum().backward()
+    return kept
+
+
+def test_selective_recompute_keeps_the_received_rows_the_planner_prices():
+    """Under selective recomputation a sliding block under the halo keeps the all_to_all's
+    output, the rows its rank received (planner/memory_acts.py `gathered_kv_bytes` prices
+    those at the fullest rank), not its key layout; past the threshold the gathers keep the
+    sequence's K and V."""
+    from meshtron.model.cp_halo_plan import halo_plan
+    from meshtron.model.spec import PRESETS
+    from meshtron.planner import memory
+    from meshtron.planner.kernel_options import KernelOptions
+    from meshtron.planner.memory_acts import gathered_kv_bytes
+
+    opts = KernelOptions()
+    mem = memory.options_for(opts)
+    for window in (6, 14, 23):
+        got = run_on_ranks(_kept_by_selective_rank, CP, window, timeout=120)
+        halo = window < 23
+        spec = PRESETS["debug"].replace(sliding_window=window, window_every=0)
+        for rank, kept in enumerate(got):
+            if halo:
+                assert kept == {"all_to_all_single": [halo_plan(SEQ, CP, rank, window).received()],
+                                "all_gather_into_tensor": []}, (window, rank, kept)
+            else:
+                assert kept == {"all_to_all_single": [], "all_gather_into_tensor": [SEQ, SEQ]}, (
+                    window, rank, kept)
+        rows = max(k["all_to_all_single"][0] for k in got) if halo else SEQ
+        assert gathered_kv_bytes(spec, 1, 1, SEQ, CP, "selective", opts, mem) == (
+            2 * rows * spec.kv_dim * mem.compute_bytes), window

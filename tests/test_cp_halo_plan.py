@@ -139,3 +139,30 @@ def test_planner_prices_the_runtime_rule():
     share, rows = cp_halo(spec, KernelOptions(), 32, 4)
     assert share == 0.5 and rows == halo_traffic(32, 4, 13)[0] / (32 / 4)
     assert cp_halo_rows(spec, 32, 1) is None and cp_halo_rows(spec, 12, 2) is None
+
+
+def test_selective_recompute_keeps_only_the_received_rows():
+    """Without recomputation a sliding block keeps its key layout (the fullest rank's key rows);
+    under selective recomputation, which keeps the outputs of matmuls and collectives only
+    (parallel/recompute.py; what the runtime keeps is measured in tests/test_cp_halo_odd.py),
+    only the all_to_all's received rows (its own K/V are the projections' outputs, counted with
+    the activations): priced as the key rows before, 18430 instead of 2046 rows at 128k, cp 8,
+    window 1024. The gather keeps the sequence either way."""
+    from meshtron.model.spec import PRESETS
+    from meshtron.planner import memory
+    from meshtron.planner.kernel_options import KernelOptions
+    from meshtron.planner.memory_acts import gathered_kv_bytes
+
+    opts = KernelOptions()
+    mem = memory.options_for(opts)
+    base = PRESETS["llama3-8b"]
+    per_row = 2.0 * base.kv_dim * mem.compute_bytes  # K and V of one position
+    for seq, cp, window in ((131072, 8, 1024), (32768, 8, 4096), (96, 3, 20), (32, 2, 12)):
+        spec = base.replace(sliding_window=window, window_every=0)  # every block slides
+        received = max(halo_plan(seq, cp, r, window).received() for r in range(cp))
+        kept = halo_traffic(seq, cp, window)[1]
+        assert gathered_kv_bytes(spec, 1, 1, seq, cp, "none", opts, mem) == kept * per_row
+        assert (gathered_kv_bytes(spec, 1, 1, seq, cp, "selective", opts, mem)
+                == received * per_row), (seq, cp, window)
+        assert gathered_kv_bytes(base, 1, 1, seq, cp, "selective", opts, mem) == seq * per_row
+    assert max(halo_plan(131072, 8, r, 1024).received() for r in range(8)) == 2046
