@@ -7,7 +7,9 @@ block mask (eager FlexAttention on CPU, forward). The model-level tests (test_co
 test_cp_train.py) run cp 2 and 4; at cp 3 rank cp-1 = 2 holds the adjacent chunks 2 and 3 and
 no rank pairs up symmetrically. Windows: 1 (no exchange), every window - 1 at and beside
 multiples of the chunk (c = 4: h = k*c - 1, k*c, k*c + 1 up to the sequence), documents
-crossing the chunk borders or not.
+crossing the chunk borders or not. And what selective recomputation keeps of a sliding block's
+exchange (the received rows, read from the policy's calls) against the planner's
+`gathered_kv_bytes`.
 """
 
 from __future__ import annotations
