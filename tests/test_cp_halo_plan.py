@@ -81,19 +81,49 @@ def test_halo_exchange_lays_out_exactly_the_keys_each_rank_sees(cp):
                         == halo_plan(seq, cp, d, window).recv_sizes[s])
 
 
+def _sent(seq: int, cp: int, s: int, window: int) -> int:
+    """Rows rank s sends: each of its rows once to every other rank whose queries see it."""
+    return sum(len(_seen(seq, cp, d, window) & set(_own(seq, cp, s))) for d in range(cp)
+               if d != s)
+
+
 def test_halo_rows_is_the_rule_counted_position_by_position():
-    """The halo while the fullest rank receives fewer rows than the gather's (cp-1)/cp x seq;
-    its key rows never exceed the sequence (no duplicates)."""
+    """The halo while the fullest rank receives fewer rows than the gather's (cp-1)/cp x seq
+    (keeps fewer than the sequence); its key rows never exceed the sequence (no duplicates);
+    the rows it moves (the busiest rank's sends or receives) never exceed the gather's."""
     for seq, cp, window in CASES:
         received = max(len(_seen(seq, cp, r, window) - set(_own(seq, cp, r))) for r in range(cp))
+        sent = max(_sent(seq, cp, r, window) for r in range(cp))
         kept = max(len(_seen(seq, cp, r, window)) for r in range(cp))
-        assert halo_traffic(seq, cp, window) == (received, kept)
-        assert kept <= seq
+        assert halo_traffic(seq, cp, window) == (max(sent, received), kept), (seq, cp, window)
+        assert kept <= seq and max(sent, received) <= (cp - 1) * seq // cp
         want = window - 1 if received < (cp - 1) * seq // cp else None
         assert halo_rows(seq, cp, window) == want, (seq, cp, window)
     # a window within a chunk always pays; every row but the rank's own is never cheaper
     assert halo_rows(32768, 8, 2049) == 2048 and halo_rows(32768, 8, 4096) == 4095
     assert halo_rows(32768, 8, 32768) is None and halo_rows(32, 1, 3) is None
+
+
+def test_halo_traffic_counts_the_busiest_sender():
+    """An all_to_all takes the busiest rank's sends or receives (NCCL's grouped send/recv over
+    full-duplex links), and the planner prices the halo with `halo_traffic`'s rows: counting
+    receives only, it priced 16k tokens at cp 8 with a window of 8194 at 11264 rows while
+    rank 7 (chunks 7 and 8, in the middle) sends both its chunks to all 7 others, 14336; and
+    at cp 3, 96k tokens, a window of 49152, 49152 rows while rank 2 sends 65535."""
+    for seq, cp, window, busiest, sender in ((16384, 8, 8194, 14336, 7),
+                                             (98304, 3, 49152, 65535, 2)):
+        plans = [halo_plan(seq, cp, r, window) for r in range(cp)]
+        assert sum(plans[sender].send_sizes) == busiest
+        assert max(p.received() for p in plans) < busiest
+        assert halo_traffic(seq, cp, window)[0] == busiest
+        assert halo_rows(seq, cp, window) == window - 1  # still the halo: it keeps less
+    # the planner's exposed exchange follows: rows over the seq/cp local rows
+    from meshtron.model.spec import PRESETS
+    from meshtron.planner.compute_core import cp_halo
+    from meshtron.planner.kernel_options import KernelOptions
+
+    spec = PRESETS["debug"].replace(sliding_window=8194, window_every=0)
+    assert cp_halo(spec, KernelOptions(), 16384, 8) == (1.0, 14336 / 2048)
 
 
 def test_planner_prices_the_runtime_rule():
@@ -109,3 +139,30 @@ def test_planner_prices_the_runtime_rule():
     share, rows = cp_halo(spec, KernelOptions(), 32, 4)
     assert share == 0.5 and rows == halo_traffic(32, 4, 13)[0] / (32 / 4)
     assert cp_halo_rows(spec, 32, 1) is None and cp_halo_rows(spec, 12, 2) is None
+
+
+def test_selective_recompute_keeps_only_the_received_rows():
+    """Without recomputation a sliding block keeps its key layout (the fullest rank's key rows);
+    under selective recomputation, which keeps the outputs of matmuls and collectives only
+    (parallel/recompute.py; what the runtime keeps is measured in tests/test_cp_halo_odd.py),
+    only the all_to_all's received rows (its own K/V are the projections' outputs, counted with
+    the activations): priced as the key rows before, 18430 instead of 2046 rows at 128k, cp 8,
+    window 1024. The gather keeps the sequence either way."""
+    from meshtron.model.spec import PRESETS
+    from meshtron.planner import memory
+    from meshtron.planner.kernel_options import KernelOptions
+    from meshtron.planner.memory_acts import gathered_kv_bytes
+
+    opts = KernelOptions()
+    mem = memory.options_for(opts)
+    base = PRESETS["llama3-8b"]
+    per_row = 2.0 * base.kv_dim * mem.compute_bytes  # K and V of one position
+    for seq, cp, window in ((131072, 8, 1024), (32768, 8, 4096), (96, 3, 20), (32, 2, 12)):
+        spec = base.replace(sliding_window=window, window_every=0)  # every block slides
+        received = max(halo_plan(seq, cp, r, window).received() for r in range(cp))
+        kept = halo_traffic(seq, cp, window)[1]
+        assert gathered_kv_bytes(spec, 1, 1, seq, cp, "none", opts, mem) == kept * per_row
+        assert (gathered_kv_bytes(spec, 1, 1, seq, cp, "selective", opts, mem)
+                == received * per_row), (seq, cp, window)
+        assert gathered_kv_bytes(base, 1, 1, seq, cp, "selective", opts, mem) == seq * per_row
+    assert max(halo_plan(131072, 8, r, 1024).received() for r in range(8)) == 2046

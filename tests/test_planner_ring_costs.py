@@ -334,7 +334,8 @@ def test_sliding_blocks_under_meshtron_cp_move_and_keep_only_their_halos():
     (seq / 2cp) or over two; its global blocks, a window so long that the halo would move as
     much as the gather, and the overlapped ring keep the whole sequence's pricing. Gemma 3's
     pattern (5 of 6 blocks slide, 1024 tokens) on Llama 3 8B's shapes at 131072 tokens,
-    cp 8."""
+    cp 8, without recomputation (under selective recomputation a sliding block keeps only
+    the rows it received: tests/test_cp_halo_plan.py)."""
     from meshtron.planner import memory
     from meshtron.planner.memory_acts import gathered_kv_bytes
 
@@ -343,8 +344,8 @@ def test_sliding_blocks_under_meshtron_cp_move_and_keep_only_their_halos():
     share = gemma.sliding_blocks / gemma.layers
     opts = KernelOptions()
     mem = memory.options_for(opts)
-    whole = gathered_kv_bytes(L8, 1, 1, seq, cp, "selective", opts, mem)
-    kept = gathered_kv_bytes(gemma, 1, 1, seq, cp, "selective", opts, mem)
+    whole = gathered_kv_bytes(L8, 1, 1, seq, cp, "none", opts, mem)
+    kept = gathered_kv_bytes(gemma, 1, 1, seq, cp, "none", opts, mem)
     rows = (1 - share) * seq + share * (seq / cp + 2 * (w - 1))  # [halo, chunk] x 2 per rank
     assert kept == pytest.approx(whole * rows / seq, rel=1e-12)
     assert kept < 0.3 * whole
@@ -352,14 +353,14 @@ def test_sliding_blocks_under_meshtron_cp_move_and_keep_only_their_halos():
     # chunks of two ranks (ranks 1..6: 2 x 8193 received, none of them their own rows)
     long = L8.replace(sliding_window=8194, window_every=6)
     rows = (1 - share) * seq + share * (seq / cp + 2 * 8193)
-    assert gathered_kv_bytes(long, 1, 1, seq, cp, "selective", opts, mem) == pytest.approx(
+    assert gathered_kv_bytes(long, 1, 1, seq, cp, "none", opts, mem) == pytest.approx(
         whole * rows / seq, rel=1e-12)
     # the fullest rank receives fewer rows than the gather's 7/8 x seq = 114688 up to a window
     # of 114688 (rank 0: the 114687 rows before its chunk 15, chunks 1..14 but one row); from
     # 114689 it would receive as many: the whole sequence gathered
     for w_long, gathered in ((114688, False), (114689, True)):
         longer = L8.replace(sliding_window=w_long, window_every=6)
-        kept_long = gathered_kv_bytes(longer, 1, 1, seq, cp, "selective", opts, mem)
+        kept_long = gathered_kv_bytes(longer, 1, 1, seq, cp, "none", opts, mem)
         assert (kept_long == whole) == gathered, w_long
     # the exchange's exposed time: the global blocks' all-gather, the sliding ones' halo sends
     base = layer_cost(L8, H100, 1, 1, seq, False, opts, cp=cp)

@@ -152,33 +152,48 @@ def halo_plan(seq: int, cp: int, rank: int, window: int) -> HaloPlan:
 
 @lru_cache(maxsize=4096)
 def halo_traffic(seq: int, cp: int, window: int) -> tuple[int, int]:
-    """(rows received, key rows kept) of the fullest cp rank under the halo exchange: the
-    rows its all_to_all brings in (its backward returns as many gradient rows) and the K/V
-    rows its sliding blocks lay out and keep for backward."""
-    received = kept = 0
+    """(rows moved, key rows kept) of the fullest cp rank under the halo exchange: the most
+    rows any rank sends or receives in the all_to_all, and the most K/V rows a rank's sliding
+    blocks lay out and keep for backward.
+
+    Moved counts sends as well as receives: NCCL's all_to_all is each rank's sends and
+    receives at once (grouped ncclSend/ncclRecv over full-duplex links), so a rank's part
+    takes max(sent, received) bytes of its link and the collective ends with the busiest
+    rank; backward returns the gradients the other way, so forward's busiest sender is
+    backward's busiest receiver. The two differ: once the window passes half the sequence
+    rank cp-1 (chunks cp-1 and cp, in the middle) sends both its chunks to every other rank
+    (16k tokens, cp 8, w 8194: 14336 rows sent, the most received 11264), and at odd cp
+    a rank can send 4/3 of the most any rank receives (96k tokens, cp 3, w 49152: 65535
+    sent, 49152 received)."""
+    sent, received, kept = [0] * cp, [0] * cp, 0
     for rank in range(cp):  # each rank's pieces only (halo_plan adds every rank's sends)
         pieces = _needed(seq, cp, rank, window - 1)
         kept = max(kept, sum(hi - lo for _, lo, hi in pieces))
-        received = max(received, sum(hi - lo for src, lo, hi in pieces if src != rank))
-    return received, kept
+        for src, lo, hi in pieces:
+            if src != rank:
+                received[rank] += hi - lo
+                sent[src] += hi - lo
+    return max(sent + received), kept
 
 
 def halo_rows(seq: int, cp: int, window: int) -> int | None:
     """Rows before a query that a sliding block's band reaches (window - 1), where fetching
     them (the halo exchange) pays; None where the whole sequence is gathered instead.
 
-    Why this threshold: the gather moves (cp-1)/cp x seq rows of K and V into every rank and
-    keeps seq rows per layer for backward; the halo moves the fullest rank's received rows
-    and keeps its key rows (`halo_traffic`), at most seq (the union of what its queries see,
-    without duplicates). Both are bytes in the same dtype through the same links, so the halo
-    pays while the fullest rank receives fewer rows than the gather brings: 2(w-1) rows
-    against (cp-1)/cp x seq once every chunk's band starts beyond the rank's other chunk
-    (e.g. 32k tokens, cp 8, w 4096: 8190 rows, 28672 gathered; 12286 kept, 32768). As the
-    window approaches the sequence the union covers it and the halo moves what the gather
-    moves: then the gather (NCCL's ring all-gather and its reduce-scatter, tuned at bus
-    bandwidth; no per-piece copies) runs instead. The compute is the same either way (both
-    skip the tiles outside the band)."""
+    Why this threshold: the gather moves (cp-1)/cp x seq rows of K and V into and out of
+    every rank and keeps seq rows per layer for backward. The halo never moves more: a rank
+    sends each of its 2c rows at most once to each of the cp-1 others and receives at most
+    the seq - 2c rows it does not hold (`halo_traffic`: the busiest rank's sends or
+    receives, both bytes in the same dtype through the same links); it keeps its key rows,
+    its own 2c and those it receives, at most seq (the union of what its queries see, without
+    duplicates). So the halo pays while the fullest rank keeps fewer rows than the sequence,
+    i.e. receives fewer than the gather brings (e.g. 32k tokens, cp 8, w 4096: 8190 rows
+    moved against 28672 gathered; 12286 kept, 32768). As the window approaches the
+    sequence the union covers it and the halo moves what the gather moves: then the gather
+    (NCCL's ring all-gather and its reduce-scatter, tuned at bus bandwidth; no per-piece
+    copies) runs instead. The compute is the same either way (both skip the tiles outside
+    the band)."""
     if cp <= 1 or window < 1 or seq % (2 * cp):
         return None
-    received, _ = halo_traffic(seq, cp, window)
-    return window - 1 if received < (cp - 1) * seq // cp else None
+    _, kept = halo_traffic(seq, cp, window)
+    return window - 1 if kept < seq else None

@@ -157,9 +157,10 @@ def cp_exposed(cluster: ClusterSpec, fab: comm.Fabric, opts: KernelOptions, dtyp
     if halo is not None:
         # parallel/cp_halo.py `exchange_halos`: each rank receives the rows before its chunks
         # that their windows reach from the ranks holding them (one all_to_all of K and V,
-        # priced as a send of the fullest rank's received rows' bytes, its sends at once:
-        # 2(w-1) rows where the window fits in a chunk, model/cp_halo_plan.py
-        # `halo_traffic`); backward returns the same bytes of gradients
+        # priced as a send of the busiest rank's rows, the most any rank sends or receives,
+        # its sends and receives at once: 2(w-1) rows where the window fits in a chunk,
+        # model/cp_halo_plan.py `halo_traffic`); backward moves the same rows' gradients
+        # the other way (forward's busiest sender receives them)
         share, rows = halo
         moved = comm.send(kv_bytes * rows, cpg.nodes > 1, fab)
         cp_f = (1.0 - share) * cp_f + share * moved
@@ -169,8 +170,9 @@ def cp_exposed(cluster: ClusterSpec, fab: comm.Fabric, opts: KernelOptions, dtyp
 
 def cp_halo(model: ModelSpec, opts: KernelOptions, seq: int, cp: int) -> tuple[float, float] | None:
     """`cp_exposed`'s `halo` for meshtron's runtime (the all-gather design: neither
-    `cp_overlap` nor `torch_ring`): (sliding share, the fullest rank's received halo rows
-    over the seq/cp local rows), or None where every block gathers the whole sequence."""
+    `cp_overlap` nor `torch_ring`): (sliding share, the busiest rank's halo rows sent or
+    received over the seq/cp local rows), or None where every block gathers the whole
+    sequence."""
     halo = cp_halo_rows(model, seq, cp)
     if halo is None or opts.cp_overlap or opts.torch_ring:
         return None

@@ -308,7 +308,16 @@ def gathered_kv_bytes(model: ModelSpec, tp: int, micro_batch: int, seq: int, cp:
         # model/cp_halo_plan.py `halo_traffic`) instead of the sequence: at 128k tokens, cp 8
         # and a 1024-token window 18430 rows, not 131072
         share = sliding_share(model)
-        rows = (1.0 - share) * seq + share * halo_traffic(seq, cp, model.sliding_window)[1]
+        halo = halo_traffic(seq, cp, model.sliding_window)[1]
+        if recompute == "selective":
+            # selective recomputation keeps the outputs of collectives and matmuls only
+            # (parallel/recompute.py): of the layout, the all_to_all's received rows (the
+            # rank's own K/V are the projections' outputs, counted with the activations), and
+            # lays it out again in backward; the gather keeps its output, the whole sequence.
+            # At 128k, cp 8, a 1024 window: 2046 rows, not 18430 (measured with the policy,
+            # tests/test_cp_halo_odd.py)
+            halo -= seq // cp
+        rows = (1.0 - share) * seq + share * halo
     return 2.0 * micro_batch * rows * model.kv_dim / tp * mem.compute_bytes
 
 
