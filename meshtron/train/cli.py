@@ -202,7 +202,15 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
     from meshtron.model.hf_variants import check_runtime
     from meshtron.model.shapes import runtime_refusal
 
-    cfg = follow_tokenizer(config_from_dict(apply_overrides(doc, overrides)))
+    doc = apply_overrides(doc, overrides)
+    try:
+        cfg = config_from_dict(doc)
+    except UserError:
+        from meshtron.train.resume_args import refuse_model_change
+
+        refuse_model_change(args, doc)  # --resume on another model: that is the cause
+        raise
+    cfg = follow_tokenizer(cfg)
     # what the planner prices but no rank runs: the planned-only features' first refusal,
     # then the fields' (the order `meshtron plan` names them, planner/cli.py)
     problem = runtime_refusal(cfg.model)
