@@ -222,3 +222,21 @@ def test_merge_set_takes_toml_booleans():
     assert _fields(["model.qk_norm=true", "model.bias=false", "model.moe_router=sigmoid",
                     "model.moe_top_k=2"]) == {"qk_norm": True, "bias": False,
                                               "moe_router": "sigmoid", "moe_top_k": 2}
+
+
+@pytest.mark.parametrize("layout, ranks", [("dp=2", 2), ("tp=2,dp=2", 4), ("tp=2,pp=1,dp=2", 4)])
+def test_a_layout_without_nproc_says_how_to_start_its_ranks(tmp_path, layout, ranks):
+    """Session-50 user audit: `meshtron train --plan dp=2` (no --nproc) was refused as "plan
+    dp=2: must divide the world size 1", true but not what a user who forgot --nproc needs."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "meshtron", "train", "--model", "debug",
+                           "--plan", layout, "--steps", "1", "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    err = done.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "must" in err and f"--nproc {ranks} starts {ranks} local ranks" in err, err
+    assert not run_dir.exists()
