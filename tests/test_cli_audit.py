@@ -240,3 +240,21 @@ def test_a_layout_without_nproc_says_how_to_start_its_ranks(tmp_path, layout, ra
     assert len(err.splitlines()) == 1, err
     assert "must" in err and f"--nproc {ranks} starts {ranks} local ranks" in err, err
     assert not run_dir.exists()
+
+
+def test_doctor_on_a_one_process_run_says_it_has_no_ranks(tmp_path):
+    """Session-50 user audit: `meshtron doctor` on the folder of a one-process `meshtron train`
+    said "no trace (expected trace/rank_N.json, written by `meshtron train` ranks)", as if the
+    folder were not a run; it is one, with no ranks to record."""
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "meshtron"]
+    subprocess.run([*run, "train", "--model", "debug", "--steps", "1", "--seq-len", "16",
+                    "--global-batch", "2", "--eval-every", "0", "--run-dir", str(tmp_path / "r")],
+                   check=True, capture_output=True, timeout=300)
+    done = subprocess.run([*run, "doctor", str(tmp_path / "r")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
+    err = done.stderr.strip()
+    assert len(err.splitlines()) == 1 and "a one-process run" in err and "--nproc N" in err, err
