@@ -258,3 +258,25 @@ def test_doctor_on_a_one_process_run_says_it_has_no_ranks(tmp_path):
     assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
     err = done.stderr.strip()
     assert len(err.splitlines()) == 1 and "a one-process run" in err and "--nproc N" in err, err
+
+
+def test_init_from_a_run_folder_names_it_and_the_ways_on(tmp_path):
+    """Session-50 user audit: `meshtron train --init-from runs/tour` (a trained run) was refused
+    as "config.json model_type=None: supported model types are llama, ...": the run's own
+    config.json record read as a Hugging Face one. Through the `meshtron` command."""
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "meshtron"]
+    subprocess.run([*run, "train", "--model", "debug", "--steps", "1", "--seq-len", "16",
+                    "--global-batch", "2", "--eval-every", "0", "--checkpoint-every", "1",
+                    "--run-dir", str(tmp_path / "r")], check=True, capture_output=True,
+                   timeout=300)
+    done = subprocess.run([*run, "train", "--init-from", str(tmp_path / "r"), "--steps", "1",
+                           "--run-dir", str(tmp_path / "new")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    err = done.stderr.strip()
+    assert len(err.splitlines()) == 1 and "a meshtron run folder" in err, err
+    assert "meshtron export" in err and "--resume" in err and "model_type" not in err, err
+    assert not (tmp_path / "new").exists()
