@@ -235,7 +235,8 @@ class RunConfig:
     def warnings(self) -> list[str]:
         """Valid but probably unintended settings, for the user to see before the run starts."""
         out = []
-        if self.optim.warmup_steps > self.train.steps:
+        # lr 0 (huggingface.md's dry run of --init-from and --export) has no rate to reach
+        if self.optim.warmup_steps > self.train.steps and self.optim.lr > 0:
             out.append(f"optim.warmup_steps={self.optim.warmup_steps} is longer than "
                        f"train.steps={self.train.steps}: the learning rate never reaches "
                        f"optim.lr={self.optim.lr:g}")

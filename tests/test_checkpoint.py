@@ -6,6 +6,8 @@ names (truncated shard, deleted shard, edited manifest) and loaded again.
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -198,6 +200,27 @@ def test_bad_checkpoint_input_is_one_line_and_deletes_nothing(saved, tmp_path, c
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
     assert main(["train", *RUN, "--run-dir", str(run_dir), *argv]) == 2
     err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+
+
+@pytest.mark.parametrize("argv,needle", [
+    # session-50 user audit: `--model debug --resume` of a `tiny` run (seq_len 256, debug's
+    # max_seq 128) was refused as "data.seq_len=256: exceeds the model's max_seq=128", the
+    # recorded length against the new model, not the model change that caused it
+    (["--model", "tiny", "--set", "model.max_seq=16"],
+     "--resume: --model tiny: the checkpoint step_00000006 was saved by a run of model debug"),
+    (["--set", "model.max_seq=16"], "holds a model with model.max_seq=128, this run has 16"),
+])
+def test_resume_on_another_model_names_the_model_not_its_sequence_length(saved, tmp_path, argv,
+                                                                          needle):
+    run_dir = tmp_path / "kept"
+    shutil.copytree(saved, run_dir)
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    done = subprocess.run([sys.executable, "-m", "meshtron", "train", "--run-dir", str(run_dir),
+                           "--resume", *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    err = done.stderr.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
 

@@ -222,3 +222,61 @@ def test_merge_set_takes_toml_booleans():
     assert _fields(["model.qk_norm=true", "model.bias=false", "model.moe_router=sigmoid",
                     "model.moe_top_k=2"]) == {"qk_norm": True, "bias": False,
                                               "moe_router": "sigmoid", "moe_top_k": 2}
+
+
+@pytest.mark.parametrize("layout, ranks", [("dp=2", 2), ("tp=2,dp=2", 4), ("tp=2,pp=1,dp=2", 4)])
+def test_a_layout_without_nproc_says_how_to_start_its_ranks(tmp_path, layout, ranks):
+    """Session-50 user audit: `meshtron train --plan dp=2` (no --nproc) was refused as "plan
+    dp=2: must divide the world size 1", true but not what a user who forgot --nproc needs."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "meshtron", "train", "--model", "debug",
+                           "--plan", layout, "--steps", "1", "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    err = done.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "must" in err and f"--nproc {ranks} starts {ranks} local ranks" in err, err
+    assert not run_dir.exists()
+
+
+def test_doctor_on_a_one_process_run_says_it_has_no_ranks(tmp_path):
+    """Session-50 user audit: `meshtron doctor` on the folder of a one-process `meshtron train`
+    said "no trace (expected trace/rank_N.json, written by `meshtron train` ranks)", as if the
+    folder were not a run; it is one, with no ranks to record."""
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "meshtron"]
+    subprocess.run([*run, "train", "--model", "debug", "--steps", "1", "--seq-len", "16",
+                    "--global-batch", "2", "--eval-every", "0", "--run-dir", str(tmp_path / "r")],
+                   check=True, capture_output=True, timeout=300)
+    done = subprocess.run([*run, "doctor", str(tmp_path / "r")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
+    err = done.stderr.strip()
+    assert len(err.splitlines()) == 1 and "a one-process run" in err and "--nproc N" in err, err
+
+
+def test_init_from_a_run_folder_names_it_and_the_ways_on(tmp_path):
+    """Session-50 user audit: `meshtron train --init-from runs/tour` (a trained run) was refused
+    as "config.json model_type=None: supported model types are llama, ...": the run's own
+    config.json record read as a Hugging Face one. Through the `meshtron` command."""
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "meshtron"]
+    subprocess.run([*run, "train", "--model", "debug", "--steps", "1", "--seq-len", "16",
+                    "--global-batch", "2", "--eval-every", "0", "--checkpoint-every", "1",
+                    "--run-dir", str(tmp_path / "r")], check=True, capture_output=True,
+                   timeout=300)
+    done = subprocess.run([*run, "train", "--init-from", str(tmp_path / "r"), "--steps", "1",
+                           "--run-dir", str(tmp_path / "new")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    err = done.stderr.strip()
+    assert len(err.splitlines()) == 1 and "a meshtron run folder" in err, err
+    assert "meshtron export" in err and "--resume" in err and "model_type" not in err, err
+    assert not (tmp_path / "new").exists()

@@ -257,12 +257,12 @@ def test_rehearse_text_has_a_verdict_and_no_percentage_against_zero():
         line = next(line for line in text.splitlines() if line.startswith(name))
         assert line.split()[-1] == "-"
     assert "inf" not in text and "nan" not in text
-    assert ("fit: the rank does NOT fit: peak + workspace 81.0 GiB of the GPU's 80 GiB "
+    assert ("fit: the rank does NOT fit: peak + workspace = 81.0 GiB of the GPU's 80 GiB "
             "(the planner: 79.0 GiB, fits)") in text
     # on CPU: the CPU kernels' extra is taken off and the line says so
     line = compare_line(fit_verdict(83.0, 7.0, 80.0, 77.5, True, cpu_kernels_gib=12.5))
     assert line == ("fit: the rank fits: peak on the GPU's kernels (less the CPU kernels' "
-                    "12.5 GiB) + workspace 77.5 GiB of the GPU's 80 GiB (the planner: "
+                    "12.5 GiB) + workspace = 77.5 GiB of the GPU's 80 GiB (the planner: "
                     "77.5 GiB, fits)")
 
 
@@ -317,3 +317,22 @@ def test_train_names_the_stack_before_the_world_size_it_asks_for(cli, tmp_path):
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
     assert "plan.framework='megatron@2024'" in lines[0] and "--nproc" not in lines[0]
+
+
+def test_rehearse_fit_line_reads_as_a_sum_through_the_command(tmp_path):
+    """Session-50 user audit: `meshtron rehearse --plan plan.toml` on CPU printed "peak on the
+    GPU's kernels (less the CPU kernels' 15.2 GiB) + workspace 76.2 GiB", which reads as a 76.2
+    GiB workspace; the total is now given after "="."""
+    import subprocess
+    import sys
+
+    plan = tmp_path / "plan.toml"
+    run = [sys.executable, "-m", "meshtron"]
+    subprocess.run([*run, "plan", "--model", "debug", "--cluster", "nominal-cpu:2",
+                    "--global-batch", "4", "--seq-len", "32", "--save", str(plan)],
+                   check=True, capture_output=True, timeout=120, cwd=tmp_path)
+    done = subprocess.run([*run, "rehearse", "--plan", str(plan)], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    line = next(x for x in done.stdout.splitlines() if x.startswith("fit: "))
+    assert "+ workspace = " in line and " GiB of the GPU's " in line, line

@@ -20,6 +20,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -274,6 +276,14 @@ def test_sigkill_restores_from_the_peer_snapshot_and_repeats_the_losses(tmp_path
         assert 0 <= b["own"] - p["own"] <= 0.01 * p["own"], (p, b)
         assert 0 <= b["host_total"] - p["host_total"] <= 0.01 * p["host_total"], (p, b)
     assert not files.job_root(run_dir, str(shm)).exists()  # the launcher freed the memory
+    # `meshtron doctor` on the folder: the restart came from memory, not from a checkpoint
+    # (session-50 audit: it said "the last complete checkpoint was step 6"; the last one on
+    # disk here is step 4)
+    doctor = subprocess.run([sys.executable, "-m", "meshtron", "doctor", str(run_dir)],
+                            capture_output=True, text=True, timeout=120)
+    assert "attempt 1 resumed from the in-memory snapshot of step 6" in doctor.stdout, \
+        doctor.stdout
+    assert "the last complete checkpoint was step 6" not in doctor.stdout
 
 
 def summary_model(run_dir):

@@ -82,3 +82,20 @@ def test_tensorboard_event_files(tmp_path):
     assert [e.step for e in loss] == list(range(1, 8))
     assert abs(loss[-1].value - _records(run)[-1]["loss"]) < 1e-5
     assert [e.step for e in acc.Scalars("eval/loss")] == [3, 6, 7]
+
+
+def test_a_dry_run_at_lr_0_is_not_warned_about_its_warm_up(tmp_path):
+    """Session-50 user audit: huggingface.md's dry run (`--lr 0`, a step that changes no weight)
+    printed "the learning rate never reaches optim.lr=0"; through the `meshtron` command."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "meshtron", "train", *RUN, "--warmup-steps", "50"]
+    dry = subprocess.run([*argv, "--lr", "0", "--run-dir", str(tmp_path / "dry")],
+                         capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0, dry.stderr
+    assert "warmup_steps" not in dry.stderr, dry.stderr
+    # a rate to reach is still warned about
+    real = subprocess.run([*argv, "--lr", "1e-3", "--run-dir", str(tmp_path / "real")],
+                          capture_output=True, text=True, timeout=300)
+    assert real.returncode == 0 and "never reaches optim.lr=0.001" in real.stderr, real.stderr

@@ -47,6 +47,18 @@ def check_compatible(meta: dict[str, Any], cfg: Any, folder: Path, plan: Any = _
         _refuse_residual_family(meta, plan, folder)
 
 
+def check_model(meta: dict[str, Any], spec: Any, folder: Path,
+                ignore: tuple[str, ...] = ()) -> None:
+    """Refuse (one line) a model `spec` (a ModelSpec) other than the one the checkpoint in
+    `folder` was saved with; the fields in `ignore` are not compared."""
+    import dataclasses
+
+    now = json.loads(json.dumps(dataclasses.asdict(spec), default=str))
+    saved = dict(meta.get("config", {}).get("model", {}))
+    _refuse_model_change({k: v for k, v in saved.items() if k not in ignore},
+                         {k: v for k, v in now.items() if k not in ignore}, folder)
+
+
 def _refuse_model_change(saved: dict[str, Any], now: dict[str, Any], folder: Path) -> None:
     """The model's shape field by field; when the model's name differs too, the refusal names
     what the user changed (--model) before the first field that differs."""

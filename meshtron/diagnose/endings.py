@@ -68,10 +68,13 @@ def _latest_checkpoint(trace: Trace) -> int | None:
 def _checkpoint_text(trace: Trace) -> str:
     """The last complete checkpoint when this attempt ended: the next attempt's `restart`
     record resumed from it; for the latest attempt, the store's newest."""
-    resumed = [m["resumed_from_step"] for m in trace.metrics if m.get("event") == "restart"
+    resumed = [m for m in trace.metrics if m.get("event") == "restart"
                and m.get("attempt") == trace.attempt + 1]
     if resumed:
-        step = resumed[-1]
+        step = resumed[-1]["resumed_from_step"]
+        if resumed[-1].get("restored_from") == "memory":  # --snapshot-every: not from disk
+            return (f"attempt {trace.attempt + 1} resumed from the in-memory snapshot of step "
+                    f"{step}")
         return ("no complete checkpoint when it ended" if step in (None, 0) else
                 f"the last complete checkpoint was step {step} (attempt {trace.attempt + 1} "
                 "resumed from it)")

@@ -183,6 +183,14 @@ def _load(run_dir: Path, tdir: Path, attempt: int) -> Trace:
         damaged = (f"; {len(unreadable)} unreadable or not meshtron's: "
                    + ", ".join(f"{n} ({why})" for n, why in list(unreadable.items())[:3])
                    if unreadable else "")
+        if not damaged and (run_dir / "run.toml").is_file() \
+                and not (run_dir / "plan.toml").is_file():
+            # a one-process run (no --nproc, --plan or restarts) leaves run.toml and no
+            # plan.toml: it has no process group, so nothing recorded collectives for a dump
+            raise UserError(f"RUN_DIR={str(run_dir)!r}: a one-process run (trained without "
+                            "--nproc or --plan): it has no ranks and records no collectives, "
+                            "so there is no trace to read; its metrics are in metrics.jsonl "
+                            "(`meshtron train --nproc N` runs ranks the doctor can read)")
         raise UserError(f"RUN_DIR={str(run_dir)!r}: no trace (expected trace/rank_N.json, "
                         f"written by `meshtron train` ranks){damaged}")
     world = max([int(d.get("world_size", 0)) for d in [*dumps.values(), *hellos.values()]]

@@ -48,7 +48,8 @@ def verdict_line(v: dict) -> str:
     cpu = v.get("cpu_kernels_gib", 0.0)
     peak = (f"peak on the GPU's kernels (less the CPU kernels' {cpu:.1f} GiB) + workspace"
             if cpu else "peak + workspace")
-    return (f"fit: the rank {word}: {peak} {v['need_gib']:.1f} GiB of the GPU's "
+    # "=": with the parenthesis before it, "+ workspace 76.2 GiB" read as a 76.2 GiB workspace
+    return (f"fit: the rank {word}: {peak} = {v['need_gib']:.1f} GiB of the GPU's "
             f"{v['capacity_gib']:.0f} GiB (the planner: {v['planner_gib']:.1f} GiB, {planner})")
 
 

@@ -202,7 +202,15 @@ def run_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
     from meshtron.model.hf_variants import check_runtime
     from meshtron.model.shapes import runtime_refusal
 
-    cfg = follow_tokenizer(config_from_dict(apply_overrides(doc, overrides)))
+    doc = apply_overrides(doc, overrides)
+    try:
+        cfg = config_from_dict(doc)
+    except UserError:
+        from meshtron.train.resume_args import refuse_model_change
+
+        refuse_model_change(args, doc)  # --resume on another model: that is the cause
+        raise
+    cfg = follow_tokenizer(cfg)
     # what the planner prices but no rank runs: the planned-only features' first refusal,
     # then the fields' (the order `meshtron plan` names them, planner/cli.py)
     problem = runtime_refusal(cfg.model)
@@ -223,6 +231,7 @@ def _follow_init_from(init_from: str, doc: dict[str, Any], overrides: dict[str, 
 
     from meshtron.data.tokenizer import tokenizer_file
 
+    _refuse_run_folder(init_from)
     if overrides.get("model") is None and "model" not in doc:
         overrides["model"] = init_from  # the checkpoint's config.json
     data = doc.get("data")
@@ -237,6 +246,22 @@ def _follow_init_from(init_from: str, doc: dict[str, Any], overrides: dict[str, 
                         "tokenizer.model, which meshtron does not read; save its tokenizer.json "
                         "(transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)) "
                         "or give --tokenizer (byte: train these weights on byte ids)")
+
+
+def _refuse_run_folder(init_from: str) -> None:
+    """A meshtron run folder given as --init-from (its config.json is the run's record, its
+    checkpoints DCP shards) was refused as "config.json model_type=None: supported model types
+    are ...": name what it is and the two ways on (session-50 user audit)."""
+    from pathlib import Path
+
+    folder = Path(init_from)
+    if not folder.is_dir() or any(folder.glob("*.safetensors")):
+        return
+    if (folder / "run.toml").is_file() or (folder / "checkpoints").is_dir():
+        raise UserError(f"train.init_from={init_from!r}: a meshtron run folder (DCP "
+                        "checkpoints, not Hugging Face weights); allowed: a weights folder "
+                        f"(`meshtron export {init_from}` writes one from its checkpoint), or "
+                        f"--resume --run-dir {init_from} to continue that run")
 
 
 def _take_from_plan(path: str, doc: dict[str, Any], overrides: dict[str, Any]) -> None:

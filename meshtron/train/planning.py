@@ -179,6 +179,19 @@ def _saved_plan(cfg: RunConfig, request: ParallelRequest):
     return plan
 
 
+def _one_process_hint(knobs: dict[str, Any], world_size: int) -> str:
+    """What a user who gave a layout without --nproc needs to hear: the layout asks for more
+    ranks than the one process `meshtron train` runs then (a user audit's `--plan dp=2` alone
+    was told only "must divide the world size 1")."""
+    if world_size != 1:
+        return ""
+    ranks = 1
+    for axis in ("tp", "cp", "pp", "dp"):
+        ranks *= knobs.get(axis) or 1
+    return (f"; without --nproc (or a torchrun / srun world) one process runs: --nproc {ranks} "
+            f"starts {ranks} local ranks")
+
+
 def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cluster):
     from meshtron.planner.frameworks import preset
     from meshtron.planner.search import search_plans
@@ -186,7 +199,8 @@ def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cl
     knobs = request.knobs
     for axis in ("tp", "cp", "pp", "dp"):
         if axis in knobs and world_size % knobs[axis]:
-            raise UserError(f"plan {axis}={knobs[axis]}: must divide the world size {world_size}")
+            raise UserError(f"plan {axis}={knobs[axis]}: must divide the world size {world_size}"
+                            + _one_process_hint(knobs, world_size))
     given = [knobs.get(a) for a in ("tp", "pp", "dp")]
     cp = knobs.get("cp") or 1
     if all(given) and given[0] * given[1] * given[2] * cp != world_size:
@@ -194,7 +208,7 @@ def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cl
         sizes = [given[2], given[0]] + ([cp] if cp > 1 else []) + [given[1]]
         raise UserError(f"plan {what}={'*'.join(map(str, sizes))}="
                         f"{given[0] * given[1] * given[2] * cp}: must equal the world size "
-                        f"{world_size}")
+                        f"{world_size}" + _one_process_hint(knobs, world_size))
     sized = sized_cluster(cluster, world_size)
     if sized.num_gpus != world_size:
         raise UserError(f"cluster {cluster.name}: has {cluster.num_gpus} devices, the run "

@@ -104,6 +104,26 @@ def over_recorded(args: argparse.Namespace, doc: dict[str, Any],
     return _on_top(recorded_run_doc(resumed[1]), doc)
 
 
+def refuse_model_change(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+    """On a user's --resume whose run file `doc` (flags applied) does not make a valid config:
+    refuse the model change behind it, if there is one, rather than its symptom (`--model debug`
+    on a run of `tiny` was refused as `data.seq_len=256: exceeds the model's max_seq=128`, the
+    run's recorded length against the new model). The vocabulary is not compared: a tokenizer
+    resizes it after this point (data/tokenizer.py follow_tokenizer)."""
+    resumed = resumed_meta(args, _run_dir_of(doc, {}))
+    if resumed is None:
+        return
+    from meshtron.checkpoint.resume import check_model
+    from meshtron.config import model_from_value
+    from meshtron.errors import UserError
+
+    try:
+        spec = model_from_value(doc.get("model", "tiny"))
+    except UserError:
+        return  # the model itself is bad input: that error is the one to see
+    check_model(resumed[1], spec, resumed[0], ignore=("vocab",))
+
+
 def check_given(args: argparse.Namespace, cfg: RunConfig) -> tuple[Any, dict[str, Any]] | None:
     """Refuse a KEEP setting given with another value than the checkpoint's (one line, before
     the folder is touched); returns `resumed_meta` for the checkpoint flags."""
