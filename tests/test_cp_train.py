@@ -349,13 +349,26 @@ def test_train_cli_cp2_window_with_documents_equals_one_process(tmp_path):
     (refused before: a plan rule, and packed documents with a window at train) logs the
     single-process run's losses and gradient norms (fp32); the one-process runs in this
     process show that the window and the documents each change the losses."""
-    from meshtron.cli import main
-
     docs = [*_short_documents(tmp_path), "--attention-mask", "document"]
     runs = {"cp": ["--nproc", "2", "--plan", "cp=2", *WINDOW_RUN, *docs],
             "one": ["--nproc", "1", *WINDOW_RUN, *docs],
             "causal": ["--nproc", "1", *WINDOW_RUN, *_short_documents(tmp_path)],
             "no_window": ["--nproc", "1", *RUN, *docs]}
+    rows = _cp_run_equals_one_process(tmp_path, runs)
+    for other in ("causal", "no_window"):
+        assert rows[other][-1]["loss"] != pytest.approx(rows["one"][-1]["loss"], rel=1e-4)
+    # the sliding block exchanged only the window - 1 = 5 rows before each chunk (none before
+    # rank 0's chunk 0; rank 1's chunk b = 2 follows its own chunk 1), K and V side by side,
+    # instead of all-gathering the sequence: the run's own collective records (meshtron
+    # doctor's trace; forward receives, backward returns the sent rows' gradients)
+    _check_halo_trace(tmp_path / "cp", {0: {5}, 1: {5}})
+
+
+def _cp_run_equals_one_process(tmp_path, runs: dict[str, list[str]]) -> dict[str, list[dict]]:
+    """Each of `runs` through `meshtron train` in its own run folder; run "cp" has the losses
+    and gradient norms of run "one" (fp32, 3 steps). Returns every run's metrics lines."""
+    from meshtron.cli import main
+
     rows = {}
     for name, args in runs.items():
         assert main(["train", *args, "--run-dir", str(tmp_path / name)]) == 0, name
@@ -364,13 +377,7 @@ def test_train_cli_cp2_window_with_documents_equals_one_process(tmp_path):
     for a, b in zip(rows["one"], rows["cp"]):
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= TOL * abs(a[key]), (key, a, b)
-    for other in ("causal", "no_window"):
-        assert rows[other][-1]["loss"] != pytest.approx(rows["one"][-1]["loss"], rel=1e-4)
-    # the sliding block exchanged only the window - 1 = 5 rows before each chunk (none before
-    # rank 0's chunk 0; rank 1's chunk b = 2 follows its own chunk 1), K and V side by side,
-    # instead of all-gathering the sequence: the run's own collective records (meshtron
-    # doctor's trace; forward receives, backward returns the sent rows' gradients)
-    _check_halo_trace(tmp_path / "cp", {0: {5}, 1: {5}})
+    return rows
 
 
 def _check_halo_trace(run, rows: dict[int, set[int]]) -> None:
@@ -396,17 +403,8 @@ def test_train_cli_cp2_window_over_two_chunks_equals_one_process(tmp_path):
     queries see: rank 0 (chunks 0, 3) receives rows 13..23 (11: chunks 1 and 2 of rank 1)
     and sends chunk 0 (8 rows: rank 1's chunk 1 sees all of it; its chunk 2's rows 5..15 lie
     in chunk 0 and in its own chunk 1, each laid out once)."""
-    from meshtron.cli import main
-
     docs = [*_short_documents(tmp_path), "--attention-mask", "document"]
     runs = {"cp": ["--nproc", "2", "--plan", "cp=2", *WIDE_WINDOW_RUN, *docs],
             "one": ["--nproc", "1", *WIDE_WINDOW_RUN, *docs]}
-    rows = {}
-    for name, args in runs.items():
-        assert main(["train", *args, "--run-dir", str(tmp_path / name)]) == 0, name
-        rows[name] = _metrics(tmp_path / name)
-    assert len(rows["one"]) == len(rows["cp"]) == 3
-    for a, b in zip(rows["one"], rows["cp"]):
-        for key in ("loss", "grad_norm"):
-            assert abs(a[key] - b[key]) <= TOL * abs(a[key]), (key, a, b)
+    _cp_run_equals_one_process(tmp_path, runs)
     _check_halo_trace(tmp_path / "cp", {0: {11, 8}, 1: {8, 11}})
