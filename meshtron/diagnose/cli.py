@@ -8,6 +8,7 @@ import sys
 
 from meshtron.argtypes import positive_int
 from meshtron.errors import UserError
+from meshtron.train import earlier
 
 
 EXIT_FOUND = 3
@@ -42,21 +43,49 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from meshtron.diagnose.analyze import diagnose
     from meshtron.diagnose.trace import load_attempts
 
-    traces = load_attempts(args.run_dir)
+    traces = load_attempts(_evidence_dir(args))
     for trace in traces:  # judged from the other files; said once, on stderr
         for name, why in trace.unreadable.items():
             print(f"meshtron doctor: warning: {trace.trace_dir / name}: {why}; judged from "
                   "the other files", file=sys.stderr)
     found = [(trace.attempt, diagnose(trace)) for trace in traces]
+    kept = {} if args.earlier else earlier.launches(args.run_dir)
     if args.json:
         latest, diagnosis = found[-1]
         doc = {**diagnosis.to_dict(), "attempt": latest}
         if len(found) > 1:
             doc["attempts"] = [{"attempt": n, **d.to_dict()} for n, d in found]
+        if kept:
+            doc["earlier"] = {str(n): str(path) for n, path in kept.items()}
         print(json.dumps(doc, indent=2))
     else:
         _print_attempts(found)
+        if kept:
+            print(_earlier_line(args.run_dir, kept))
     return exit_code([d for _, d in found])
+
+
+def _evidence_dir(args: argparse.Namespace):
+    """The folder judged: RUN_DIR (its current launch), or with --earlier N the launch a
+    --resume kept in RUN_DIR/earlier/N (train/earlier.py)."""
+    if not args.earlier:
+        return args.run_dir
+    kept = earlier.launches(args.run_dir)
+    if args.earlier not in kept:
+        have = (f"it keeps {', '.join(str(n) for n in kept)}" if kept else
+                "it keeps none (only a --resume of a launch that left a trace keeps one)")
+        raise UserError(f"--earlier={args.earlier}: no earlier launch {args.earlier} in "
+                        f"{earlier.root(args.run_dir)}; {have}")
+    return kept[args.earlier]
+
+
+def _earlier_line(run_dir: str, kept: dict) -> str:
+    """One line: the launches before a --resume exist, and how to read them (the verdict
+    above is the current launch's only, and so is the exit code)."""
+    last = max(kept)
+    return (f"\nearlier launches (before a --resume): {len(kept)}, kept in "
+            f"{earlier.root(run_dir)}; the one just before this: meshtron doctor {run_dir} "
+            f"--earlier {last}")
 
 
 def exit_code(diagnoses) -> int:
@@ -89,6 +118,9 @@ def _check_options(args: argparse.Namespace) -> None:
                         "degree of the logs' communicators)")
     if args.no_png and not args.timeline:
         raise UserError("--no-png: only with --timeline (it skips the timeline's plot)")
+    if args.earlier and (args.timeline or args.nccl_log):
+        raise UserError(f"--earlier={args.earlier}: not with --timeline or --nccl-log (it "
+                        "judges an earlier launch's trace)")
     if args.timeline and args.nccl_log:
         raise UserError("--timeline: not with --nccl-log (one reads a run folder, the other "
                         "NCCL logs)")
@@ -124,6 +156,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "RUN_DIR/trace/timeline.json (Chrome trace / Perfetto) and timeline.png, "
                         "prints the fractions and the pipeline bubble beside the planner's")
     p.add_argument("--no-png", action="store_true", help="with --timeline: skip the plot")
+    p.add_argument("--earlier", type=positive_int, metavar="N",
+                   help="judge the earlier launch N that a `meshtron train --resume` kept "
+                        "(RUN_DIR/earlier/N: its trace and failure notes; 1 the first) instead "
+                        "of the current one")
     p.set_defaults(func=cmd_doctor)
 
 

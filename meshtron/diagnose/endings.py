@@ -58,7 +58,11 @@ def sigterm_dump(dump: dict[str, Any]) -> bool:
 
 def _latest_checkpoint(trace: Trace) -> int | None:
     from meshtron.checkpoint import store
+    from meshtron.train import earlier
 
+    kept = earlier.resumed_step(trace.run_dir)  # a kept launch: the store has moved on since
+    if kept is not None:
+        return kept
     try:
         return store.find_latest(store.checkpoint_root(trace.run_dir), deep=False).step
     except OSError:  # the checkpoint folder unreadable (replaced by a file, no permission)

@@ -233,15 +233,12 @@ def dtype_note(job: TrainJob, request: ParallelRequest, plan) -> str:
 
 def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: int) -> int:
     """Save what the ranks read (run.toml, plan.toml), start them, wait; their exit code."""
-    from meshtron.checkpoint import restart
-    from meshtron.doctor.dump import clear_trace
     from meshtron.launch import RUN_DIR_ENV, launch_local
 
     warn(job)
     run_dir = Path(job.cfg.train.run_dir)
+    keep_or_clear_evidence(job, run_dir)  # before run.toml: the previous launch's is not ours
     write_run_records(job, plan)
-    clear_trace(run_dir)
-    restart.clear_notes(run_dir)  # attempts are counted again from 0
     outputs.print_plan(plan, chosen.cluster, dtype_note(job, request, plan), chosen.source)
     outputs.print_moe_aux_note(job.cfg.model, plan)
     outputs.prefetch_curves()  # drawn here after the ranks: draw_run_curves
@@ -249,6 +246,32 @@ def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: in
                         max_restarts=job.checkpoint.max_restarts,
                         grace_s=job.checkpoint.preempt_grace_s,
                         env={RUN_DIR_ENV: str(run_dir)})
+
+
+def keep_or_clear_evidence(job: TrainJob, run_dir: Path) -> None:
+    """The previous launch's trace and failure notes: a --resume keeps them in
+    RUN_DIR/earlier/N (renamed, train/earlier.py), so that `meshtron doctor` can still say why
+    it ended; a fresh run clears them with the earlier launches (a stale ABORT.json would stop
+    it at once). Either way this launch's attempts are counted from 0 and its trace is new."""
+    from meshtron.checkpoint import restart, store
+    from meshtron.doctor.dump import clear_trace
+    from meshtron.train import earlier
+
+    if job.checkpoint.resume:
+        step = store.find_latest(store.checkpoint_root(run_dir), deep=False).step
+        try:
+            kept = earlier.keep_previous(run_dir, step)
+        except OSError as exc:
+            raise UserError(f"--resume: could not keep the previous launch's trace in "
+                            f"{earlier.root(run_dir)} ({exc}); move {run_dir / 'trace'} and "
+                            f"{run_dir / restart.ATTEMPTS} away, or free the folder") from None
+        if kept is not None:
+            print(f"meshtron train: the previous launch's trace and failure notes are kept in "
+                  f"{kept} (meshtron doctor {run_dir} --earlier {kept.name})", flush=True)
+    else:
+        earlier.forget(run_dir)
+    clear_trace(run_dir)
+    restart.clear_notes(run_dir)  # attempts are counted again from 0
 
 
 def claim_run_dir(job: TrainJob, plan) -> None:

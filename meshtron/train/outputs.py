@@ -22,9 +22,9 @@ STALE_OUTPUTS = ("metrics.jsonl", "summary.json", "memory.json", "curves.png")
 TENSORBOARD_DIR = "tensorboard"
 RUN_FILES = ("run.toml", "plan.toml", "config.json", *STALE_OUTPUTS, ".meshtron.lock")
 """Files a run writes at the top of its folder (run_lock.LOCK_NAME the last)."""
-RUN_FOLDERS = ("checkpoints", TENSORBOARD_DIR, "trace", "tokenizer", "attempts")
+RUN_FOLDERS = ("checkpoints", TENSORBOARD_DIR, "trace", "tokenizer", "attempts", "earlier")
 """Folders a run writes in its folder (checkpoint store, TensorBoard, doctor, tokenizer, the
-ranks' failure notes of checkpoint/restart.py)."""
+ranks' failure notes of checkpoint/restart.py, the launches a --resume followed: earlier.py)."""
 
 
 def check_run_dir(cfg: RunConfig, overwrite: bool) -> None:
