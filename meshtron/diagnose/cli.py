@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from meshtron.argtypes import positive_int
 from meshtron.errors import UserError
@@ -40,16 +41,27 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         raise UserError("RUN_DIR: missing; give a run folder (or --nccl-log FILE...)")
     if args.timeline:
         return _timeline(args)
+    return _judge(args)
+
+
+def _judge(args: argparse.Namespace) -> int:
+    """The verdict of every attempt of the launch judged (the current one, or --earlier N);
+    for the current one, a line naming the earlier launches a --resume kept."""
     from meshtron.diagnose.analyze import diagnose
     from meshtron.diagnose.trace import load_attempts
 
-    traces = load_attempts(_evidence_dir(args))
+    kept = {} if args.earlier else earlier.launches(_run_folder(args.run_dir))
+    try:
+        traces = load_attempts(_evidence_dir(args))
+    except UserError as exc:  # nothing to judge now (a resume that failed at its start)
+        if not kept:
+            raise
+        raise UserError(f"{exc}; {_earlier_line(args.run_dir, kept).strip()}") from None
     for trace in traces:  # judged from the other files; said once, on stderr
         for name, why in trace.unreadable.items():
             print(f"meshtron doctor: warning: {trace.trace_dir / name}: {why}; judged from "
                   "the other files", file=sys.stderr)
     found = [(trace.attempt, diagnose(trace)) for trace in traces]
-    kept = {} if args.earlier else earlier.launches(args.run_dir)
     if args.json:
         latest, diagnosis = found[-1]
         doc = {**diagnosis.to_dict(), "attempt": latest}
@@ -65,27 +77,32 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return exit_code([d for _, d in found])
 
 
+def _run_folder(run_dir: str) -> Path:
+    """RUN_DIR, also when given as RUN_DIR/trace (as `meshtron doctor` accepts it)."""
+    path = Path(run_dir)
+    return path.parent if path.name == "trace" and not (path / "trace").is_dir() else path
+
+
 def _evidence_dir(args: argparse.Namespace):
     """The folder judged: RUN_DIR (its current launch), or with --earlier N the launch a
     --resume kept in RUN_DIR/earlier/N (train/earlier.py)."""
     if not args.earlier:
         return args.run_dir
-    kept = earlier.launches(args.run_dir)
+    kept = earlier.launches(_run_folder(args.run_dir))
     if args.earlier not in kept:
         have = (f"it keeps {', '.join(str(n) for n in kept)}" if kept else
                 "it keeps none (only a --resume of a launch that left a trace keeps one)")
         raise UserError(f"--earlier={args.earlier}: no earlier launch {args.earlier} in "
-                        f"{earlier.root(args.run_dir)}; {have}")
+                        f"{earlier.root(_run_folder(args.run_dir))}; {have}")
     return kept[args.earlier]
 
 
 def _earlier_line(run_dir: str, kept: dict) -> str:
     """One line: the launches before a --resume exist, and how to read them (the verdict
     above is the current launch's only, and so is the exit code)."""
-    last = max(kept)
     return (f"\nearlier launches (before a --resume): {len(kept)}, kept in "
-            f"{earlier.root(run_dir)}; the one just before this: meshtron doctor {run_dir} "
-            f"--earlier {last}")
+            f"{earlier.root(_run_folder(run_dir))}; the one just before this: meshtron doctor "
+            f"{run_dir} --earlier {max(kept)}")
 
 
 def exit_code(diagnoses) -> int:
