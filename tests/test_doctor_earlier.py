@@ -26,7 +26,7 @@ from testkit.procs import rank_pids, records
 
 TRAIN = [sys.executable, "-m", "meshtron", "train", "--nproc", "2", "--plan", "dp=2",
          "--model", "debug", "--seq-len", "32", "--global-batch", "8", "--eval-every", "0",
-         "--steps", "200", "--checkpoint-every", "3"]
+         "--steps", "200"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
@@ -36,8 +36,8 @@ def _doctor(*args: str) -> subprocess.CompletedProcess:
 
 
 def _kill_rank_1_after_first_checkpoint(run_dir: Path) -> None:
-    proc = subprocess.Popen([*TRAIN, "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=ENV)
+    proc = subprocess.Popen([*TRAIN, "--checkpoint-every", "3", "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     deadline = time.monotonic() + 150
     while not ((run_dir / "checkpoints" / "step_00000003").is_dir()
                and len(rank_pids(run_dir)) == 2):
@@ -55,7 +55,9 @@ def test_resume_keeps_the_killed_launch_for_doctor(tmp_path):
     before = _doctor(str(run_dir), "--json")
     assert before.returncode == 3, before.stdout + before.stderr
 
-    resumed = subprocess.run([*TRAIN, "--run-dir", str(run_dir), "--resume"],
+    # the rest without a save every 3 steps (test time; the interval follows the command)
+    resumed = subprocess.run([*TRAIN, "--run-dir", str(run_dir), "--resume",
+                              "--checkpoint-every", "1000"],
                              capture_output=True, text=True, env=ENV, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     kept = run_dir / "earlier" / "1"
@@ -122,8 +124,8 @@ def test_earlier_launch_not_kept_is_one_line(tmp_path):
     proc = _doctor(str(run_dir), "--earlier", "1")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        f"meshtron doctor: error: --earlier=1: no earlier launch 1 in {run_dir / 'earlier'}; it keeps "
-        "none (only a --resume of a launch that left a trace keeps one)"], proc.stderr
+        f"meshtron doctor: error: --earlier=1: no earlier launch 1 in {run_dir / 'earlier'}; "
+        "it keeps none (only a --resume of a launch that left a trace keeps one)"], proc.stderr
     proc = _doctor(str(run_dir), "--earlier", "1", "--timeline")
     assert proc.returncode == 2 and "not with --timeline" in proc.stderr, proc.stderr
 
