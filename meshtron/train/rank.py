@@ -285,6 +285,13 @@ def agreed_plan(job: TrainJob, world: World):
             payload[0] = {"plan": plan.to_dict(), "cluster": cluster.to_dict()}
             if not job.launched_rank and job.elastic is None:
                 payload[0].update(_start_outside(job, plan))
+            if not job.launched_rank and "finished" not in payload[0]:
+                # No meshtron parent printed the plan line (an outside torchrun/srun, each
+                # elastic round): rank 0 says what this world runs, as the parent would.
+                from meshtron.train import outputs
+
+                outputs.print_plan(plan, cluster)
+                outputs.print_moe_aux_note(job.cfg.model, plan)
         except UserError as exc:
             run_lock.abandon(job.cfg.train.run_dir)  # nothing left behind by bad input
             payload[0] = {"error": str(exc)}
