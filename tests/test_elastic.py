@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import time
@@ -201,6 +202,10 @@ def test_lost_node_continues_on_fewer_ranks(tmp_path):
     resumed = rec["resumed_from_step"]
     assert resumed in (4, 8) and resumed <= killed_at
     assert "replan: world 2 -> 1 ranks" in second.stderr
+    # Rank 0 of each round prints the plan line a meshtron parent prints for its ranks (it
+    # printed none: a user saw a replan line but not the layout the job then ran).
+    assert re.search(r"^plan tp=1,pp=1,dp=1 .* on nominal-cpu:1", second.stdout, re.M), \
+        second.stdout[-2000:]
     got = steps(run)
     assert sorted(got) == list(range(1, 13))
     for s in got:  # no sample skipped, none seen twice: every step at its uninterrupted position

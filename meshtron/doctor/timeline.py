@@ -41,6 +41,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from meshtron.intervals import merge_intervals
+
 FORMAT = "meshtron-timeline/1"
 WINDOW_STEPS = 4
 MAX_WAITS = 20000
@@ -134,16 +136,6 @@ def op_key(rank: int, r: dict[str, Any]) -> tuple | None:
     return ("coll", r["group"], r["seq"])
 
 
-def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
 def rank_phases(rank: int, doc: dict[str, Any], entries: dict[tuple, list[float]],
                 group_sizes: dict[str, int]) -> dict[str, Any]:
     """Split the rank's window into compute / communication / idle segments (see module doc).
@@ -151,7 +143,7 @@ def rank_phases(rank: int, doc: dict[str, Any], entries: dict[tuple, list[float]
     w0, w1 = doc["window"]
     blocked = [(a, b) for a, b in doc["waits"]]
     blocked += [(r["enqueue_t"], r["start_t"]) for r in doc["records"] if r.get("start_t")]
-    blocked = [(max(a, w0), min(b, w1)) for a, b in _merge(blocked) if b > w0 and a < w1]
+    blocked = [(max(a, w0), min(b, w1)) for a, b in merge_intervals(blocked) if b > w0 and a < w1]
     # The last peer's entry of every op this rank had outstanding, with whether it is p2p.
     ops = []
     for r in doc["records"]:

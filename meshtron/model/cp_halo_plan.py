@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from meshtron.intervals import merge_intervals
+
 
 def chunk_holder(chunk: int, cp: int) -> int:
     """The cp rank holding global chunk `chunk` (of 2*cp)."""
@@ -42,17 +44,6 @@ def local_row(pos: int, c: int, cp: int, rank: int) -> int:
     chunk = pos // c
     assert chunk in (a, b), (pos, c, cp, rank)
     return pos - a * c if chunk == a else c + pos - b * c
-
-
-def _merge(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """Sorted, disjoint, merged [lo, hi) intervals of `ranges`."""
-    out: list[list[int]] = []
-    for lo, hi in sorted(ranges):
-        if out and lo <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], hi)
-        else:
-            out.append([lo, hi])
-    return tuple((lo, hi) for lo, hi in out)
 
 
 @dataclass(frozen=True)
@@ -122,7 +113,8 @@ class HaloPlan:
 def _needed(seq: int, cp: int, rank: int, halo: int) -> tuple[tuple[int, int, int], ...]:
     """(source, lo, hi) pieces of rank `rank`'s key layout."""
     c = seq // (2 * cp)
-    keys = _merge([(max(0, j * c - halo), (j + 1) * c) for j in rank_chunks(cp, rank)])
+    keys = tuple(merge_intervals([(max(0, j * c - halo), (j + 1) * c)
+                                 for j in rank_chunks(cp, rank)]))
     pieces = []
     for lo, hi in keys:
         for chunk in range(lo // c, (hi - 1) // c + 1):
@@ -145,7 +137,7 @@ def halo_plan(seq: int, cp: int, rank: int, window: int) -> HaloPlan:
     for src, lo, hi in mine:
         if src != rank:
             recv_sizes[src] += hi - lo
-    keys = _merge([(lo, hi) for _, lo, hi in mine])
+    keys = tuple(merge_intervals([(lo, hi) for _, lo, hi in mine]))
     return HaloPlan(rank, cp, c, halo, keys, mine, tuple(send), tuple(send_sizes),
                     tuple(recv_sizes))
 

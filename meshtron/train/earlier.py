@@ -22,12 +22,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 EARLIER = "earlier"
 RESUMED = "resumed.json"
 KEPT = ("trace", "attempts")
 """The per-launch folders (doctor.trace_dir's base; checkpoint/restart.py ATTEMPTS)."""
+CLOCK_MARGIN_S = 5.0
+"""A file this much older than this launch's first rank start still counts as this launch's
+(the ranks' clocks on other nodes may run behind the file server's)."""
 
 
 def root(run_dir: Path | str) -> Path:
@@ -56,6 +60,66 @@ def keep_previous(run_dir: Path | str, resumed_from: int | None) -> Path | None:
         os.rename(run_dir / name, target / name)  # one rename each: never half-copied
     (target / RESUMED).write_text(json.dumps({"resumed_from_step": resumed_from}))
     return target
+
+
+def set_aside_in_place(run_dir: Path | str, world_size: int, resume: bool,
+                       resumed_from: int | None) -> Path | None:
+    """`keep_previous` (resume) or the clearing a fresh run does, for a launch with no meshtron
+    parent (an outside torchrun or srun): rank 0 calls it after the rendezvous, when every rank
+    of this launch has already written its hello file into RUN_DIR/trace (so the folder cannot
+    be renamed under them). What is left of earlier launches moves file by file into
+    RUN_DIR/earlier/N/trace (a fresh run: is removed): everything in trace/ but this launch's
+    hello files and what was written since this launch's ranks started, and attempts/ whole.
+    Before this, a reused folder kept the earlier launch's ABORT.json and dumps, which the
+    doctor read as this launch's. Returns the archive (None: nothing kept)."""
+    run_dir = Path(run_dir)
+    tdir = run_dir / "trace"
+    stale = []
+    if tdir.is_dir():
+        start_t = _launch_start(tdir, world_size)
+        stale = [path for path in tdir.iterdir() if not _this_launch(path, world_size, start_t)]
+    notes = run_dir / KEPT[1]
+    if not resume:
+        forget(run_dir)
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        shutil.rmtree(notes, ignore_errors=True)
+        return None
+    if not stale and not _has_content(notes):
+        return None
+    target = _new_slot(run_dir)
+    (target / "trace").mkdir()
+    for path in stale:
+        os.rename(path, target / "trace" / path.name)
+    if _has_content(notes):
+        os.rename(notes, target / KEPT[1])
+    (target / RESUMED).write_text(json.dumps({"resumed_from_step": resumed_from}))
+    return target
+
+
+def _launch_start(tdir: Path, world_size: int) -> float:
+    """When this launch's first rank started (its hello file's start_t; now, when none can be
+    read: a run folder not shared between nodes shows rank 0 only its own node's)."""
+    starts = []
+    for rank in range(world_size):
+        try:
+            starts.append(float(json.loads((tdir / f"rank_{rank}.hello.json").read_text())
+                                ["start_t"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return min(starts, default=time.time())
+
+
+def _this_launch(path: Path, world_size: int, start_t: float) -> bool:
+    """A hello file of one of this launch's ranks (each rank rewrote its own), or anything
+    written since this launch began (a margin for clocks of other nodes); older files are an
+    earlier launch's."""
+    if path.name in {f"rank_{rank}.hello.json" for rank in range(world_size)}:
+        return True
+    try:
+        return path.stat().st_mtime >= start_t - CLOCK_MARGIN_S
+    except OSError:
+        return True  # gone meanwhile: nothing to move
 
 
 def resumed_step(folder: Path | str) -> int | None:

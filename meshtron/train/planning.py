@@ -85,6 +85,15 @@ def local_world_size(request: ParallelRequest) -> int:
     return 1
 
 
+def check_saved_plan(cfg: RunConfig, request: ParallelRequest) -> None:
+    """A saved plan (--plan FILE) checked against this run's model, batch, sequence and flags
+    before its size starts anything: a plan for another model is named as that, not as a rank
+    count this machine cannot start (a user audit: a 70B plan given with --model llama3-8b was
+    told only that --nproc=64 exceeds the machine)."""
+    if is_plan_file(request.plan) and request.resumed_plan is None:
+        _saved_plan(cfg, request)
+
+
 def fixed_knobs(plan: str | None, zero: int | None, recompute: str | None, sp: str | None,
                 micro_batch: int | None, schedule: str | None) -> dict[str, Any]:
     """Knobs fixed by flags; a layout given as `plan` fixes its axes."""

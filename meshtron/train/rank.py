@@ -252,8 +252,31 @@ def _start_outside(job: TrainJob, plan) -> dict[str, Any]:
 
     if restart.attempt() == 0:  # a torchrun restart continues this run: its checkpoints stay
         prepare_start(job.checkpoint, job.cfg, job.overwrite, plan)
+        _set_aside_earlier_launch(job, plan.gpus)
     write_run_records(job, plan)
     return {}
+
+
+def _set_aside_earlier_launch(job: TrainJob, world_size: int) -> None:
+    """An outside launch's rank 0: what earlier launches left in the run folder's trace and
+    failure notes is kept in RUN_DIR/earlier/N (--resume) or removed (a fresh run), as
+    meshtron's own launcher does before it starts ranks (train/launch.py
+    keep_or_clear_evidence); here after the rendezvous, file by file (train/earlier.py)."""
+    from meshtron.checkpoint import store
+    from meshtron.train import earlier
+
+    run_dir = Path(job.cfg.train.run_dir)
+    resume = bool(job.checkpoint.resume)
+    step = store.find_latest(store.checkpoint_root(run_dir), deep=False).step if resume else None
+    try:
+        kept = earlier.set_aside_in_place(run_dir, world_size, resume, step)
+    except OSError as exc:
+        raise UserError(f"run_dir={str(run_dir)!r}: could not set aside the previous "
+                        f"launch's trace ({exc}); move the old files in "
+                        f"{run_dir / 'trace'} away, or free the folder") from None
+    if kept is not None:
+        print(f"meshtron train: the previous launch's trace and failure notes are kept in "
+              f"{kept} (meshtron doctor {run_dir} --earlier {kept.name})", flush=True)
 
 
 def agreed_plan(job: TrainJob, world: World):
@@ -285,6 +308,13 @@ def agreed_plan(job: TrainJob, world: World):
             payload[0] = {"plan": plan.to_dict(), "cluster": cluster.to_dict()}
             if not job.launched_rank and job.elastic is None:
                 payload[0].update(_start_outside(job, plan))
+            if not job.launched_rank and "finished" not in payload[0]:
+                # No meshtron parent printed the plan line (an outside torchrun/srun, each
+                # elastic round): rank 0 says what this world runs, as the parent would.
+                from meshtron.train import outputs
+
+                outputs.print_plan(plan, cluster)
+                outputs.print_moe_aux_note(job.cfg.model, plan)
         except UserError as exc:
             run_lock.abandon(job.cfg.train.run_dir)  # nothing left behind by bad input
             payload[0] = {"error": str(exc)}
