@@ -5,9 +5,9 @@ parallelism) and FSDP against one process, and `meshtron train --model tiny-mla`
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -199,13 +199,17 @@ def test_tp2_sp_fsdp2_and_cp2_match_one_process():
 def test_meshtron_train_tiny_mla_three_steps(tmp_path):
     """The user's path: the command with its defaults (recorder, watchdog, planner's knobs,
     the final evaluation), on 4 sequences of 64 tokens a step (the default 16 x 256 only made
-    the MoE blocks' CPU loops 16x longer)."""
+    the MoE blocks' CPU loops 16x longer), through the command's entry point
+    (`meshtron.cli.main`) in this process as tests/test_hf_dense.py's one-process runs (a
+    child process added a torch import, ~4 of its ~7 CPU seconds)."""
+    from meshtron.cli import main
+
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "meshtron", "train", "--model", "tiny-mla", "--steps", "3",
-         "--seq-len", "64", "--global-batch", "4", "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["train", "--model", "tiny-mla", "--steps", "3", "--seq-len", "64",
+                     "--global-batch", "4", "--run-dir", str(run_dir)])
+    assert code == 0, err.getvalue()[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) >= 3 and all(0 < x < 10 for x in losses)
