@@ -29,11 +29,6 @@ RTOL = 1e-5
 COMMON = ["--model", "debug", "--steps", "3", "--seed", "4", "--dtype", "fp32",
           "--global-batch", "8", "--seq-len", "32", "--eval-every", "0",
           "--watchdog-timeout", "300"]
-# Inductor compiles its kernels in this rank's process instead of starting a pool of compile
-# workers per rank (torch/_inductor/config.py `compile_threads`): the same generated code
-# (step-1 loss bit-equal, measured 2026-12-07), ~18 of the compiled run's 55 CPU seconds less
-# on 2 cores, where the two ranks' pools only competed with each other.
-INDUCTOR_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
 
 def _train(run_dir: Path, nproc: int, plan: str, *flags: str, env: dict | None = None):
@@ -42,7 +37,7 @@ def _train(run_dir: Path, nproc: int, plan: str, *flags: str, env: dict | None =
         [sys.executable, "-m", "meshtron", "train", *COMMON, "--nproc", str(nproc),
          "--plan", plan, *flags, "--run-dir", str(run_dir)],
         capture_output=True, text=True, timeout=1200,
-        env=dict(os.environ, OMP_NUM_THREADS="1", **INDUCTOR_ENV, **(env or {})))
+        env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r and "step" in r]
