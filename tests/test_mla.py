@@ -5,9 +5,9 @@ parallelism) and FSDP against one process, and `meshtron train --model tiny-mla`
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -199,13 +199,17 @@ def test_tp2_sp_fsdp2_and_cp2_match_one_process():
 def test_meshtron_train_tiny_mla_three_steps(tmp_path):
     """The user's path: the command with its defaults (recorder, watchdog, planner's knobs,
     the final evaluation), on 4 sequences of 64 tokens a step (the default 16 x 256 only made
-    the MoE blocks' CPU loops 16x longer)."""
+    the MoE blocks' CPU loops 16x longer), through the command's entry point
+    (`meshtron.cli.main`) in this process as tests/test_hf_dense.py's one-process runs (a
+    child process added a torch import, ~4 of its ~7 CPU seconds)."""
+    from meshtron.cli import main
+
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "meshtron", "train", "--model", "tiny-mla", "--steps", "3",
-         "--seq-len", "64", "--global-batch", "4", "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["train", "--model", "tiny-mla", "--steps", "3", "--seq-len", "64",
+                     "--global-batch", "4", "--run-dir", str(run_dir)])
+    assert code == 0, err.getvalue()[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) >= 3 and all(0 < x < 10 for x in losses)
@@ -228,36 +232,60 @@ REHEARSE_KINDS = {
     "selective": dict(zero=3, recompute="selective"),
     "full": dict(zero=3, recompute="full"),
 }
-RUN_KINDS = """
+REHEARSE_FN = """
 import json, sys
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.cluster import resolve_cluster
 from meshtron.planner.plan import as_plan
 from meshtron.rehearse.run import rehearse
 from meshtron.model import PRESETS
-model, base, kinds = json.loads(sys.argv[1])
-spec = PRESETS[model] if isinstance(model, str) else ModelSpec(**model)
-out = {}
-for name, knobs in kinds.items():
-    plan = as_plan({**base, **knobs, "model": spec.name}).validate(8, spec)
-    report = rehearse(spec, plan, resolve_cluster("dgx-h100:1"), "cpu")
-    out[name] = {r["row"]: [r["rehearsal_gib"], r["planner_gib"]] for r in report["memory"]}
-print("RESULT" + json.dumps(out))
+def rehearse_kinds(model, base, kinds):
+    spec = PRESETS[model] if isinstance(model, str) else ModelSpec(**model)
+    out = {}
+    for name, knobs in kinds.items():
+        plan = as_plan({**base, **knobs, "model": spec.name}).validate(8, spec)
+        report = rehearse(spec, plan, resolve_cluster("dgx-h100:1"), "cpu")
+        out[name] = {r["row"]: [r["rehearsal_gib"], r["planner_gib"]] for r in report["memory"]}
+    return out
 """
+# argv[1]: [model, base, kinds] (tests/test_mla_rest.py runs this one too)
+RUN_KINDS = REHEARSE_FN + 'print("RESULT" + json.dumps(rehearse_kinds(*json.loads(sys.argv[1]))))'
+# argv[1]: {label: [model, base, kinds]}: several models' rehearsals in one process
+RUN_MODELS = REHEARSE_FN + ('print("RESULT" + json.dumps({label: rehearse_kinds(*job) for '
+                            'label, job in json.loads(sys.argv[1]).items()}))')
+REHEARSE_MODELS = [(MID_MLA, 1024), ("tiny-mla", 512)]
 
 
-@pytest.mark.parametrize("model,seq", [(MID_MLA, 1024), ("tiny-mla", 512)])
-def test_planner_memory_agrees_with_mla_rehearsal(model, seq):
+def _label(model) -> str:
+    return model if isinstance(model, str) else model["name"]
+
+
+@pytest.fixture(scope="module")
+def mla_rehearsals() -> dict:
+    """Both models' rehearsals in one fresh process (one torch import instead of one per
+    model; each rehearsal is its own fake-tensor run, so sharing the process changes no
+    number): {model name: {layout kind: {row: [rehearsed, planned GiB]}}}."""
+    from testkit.rehearsal import run_kinds
+
+    jobs = {}
+    for model, seq in REHEARSE_MODELS:
+        kinds = REHEARSE_KINDS if isinstance(model, dict) else {
+            k: v for k, v in REHEARSE_KINDS.items() if k != "selective"}
+        jobs[_label(model)] = [model, dict(REHEARSE_BASE, seq_len=seq), kinds]
+    return run_kinds(RUN_MODELS, jobs)
+
+
+@pytest.mark.parametrize("model,seq", REHEARSE_MODELS)
+def test_planner_memory_agrees_with_mla_rehearsal(mla_rehearsals, model, seq):
     """Within 5% per layout kind (testkit.rehearsal.check_totals): MLA's saved tensors (its
     latents, the 192-wide q and k, v padded to them, the 128-wide output copy), its replicated
     down-projections under tp, and its recomputation. Measured (2026-12-05): mid-mla +0.6%,
     -2.4%, -2.0%, -1.2%; tiny-mla -2.8%, -2.8%, -1.1% (before the planner knew MLA: -5..-12%
     with V padded, -26..-30% with SDPA's math fallback on unpadded V)."""
-    from testkit.rehearsal import check_totals, run_kinds
+    from testkit.rehearsal import check_totals
 
-    kinds = REHEARSE_KINDS if isinstance(model, dict) else {
-        k: v for k, v in REHEARSE_KINDS.items() if k != "selective"}
-    results = run_kinds(RUN_KINDS, [model, dict(REHEARSE_BASE, seq_len=seq), kinds])
+    results = mla_rehearsals[_label(model)]
+    assert len(results) == (4 if isinstance(model, dict) else 3), results.keys()
     check_totals(results, "MLA rehearsal", digits=4)
 
 

@@ -166,6 +166,11 @@ def _check(reference, world, layouts, timeout=600):
     return results, report
 
 
+# Micro-batches: a tensor-parallel micro-batch costs ~0.3-0.5 s per rank on CPU (DTensor's
+# per-operator dispatch), so most TP layouts run 2 micro-batches per rank (the first and the
+# last of the gradient accumulation: 2 s per layout less, measured 2026-12-07); `tp=2`
+# (8 micro-batches of 1 row) and world 4's dp=2 x tp=2 ZeRO-3 + SP (4 per rank) keep long
+# accumulations under TP.
 WORLD2 = [
     dict(dp=2, zero=0), dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3),
     dict(dp=2, zero=3, micro_batch=2, recompute="full"),
@@ -178,21 +183,23 @@ WORLD2 = [
     dict(pp=2, schedule="interleaved", virtual_stages=2, micro_batch=1, stage_layers=[0, 2, 1, 1]),
     # GPT style: the learned position table under sequence parallelism (sharded like the tokens'
     # embeddings), tied embeddings under TP; untied + parallel residual through a pipeline.
-    dict(tp=2, sp=True, model=GPT_MODEL), dict(tp=2, model=GPT_MODEL),
+    dict(tp=2, sp=True, micro_batch=4, model=GPT_MODEL),
+    dict(tp=2, micro_batch=4, model=GPT_MODEL),
     dict(pp=2, schedule="1f1b", micro_batch=2, model=GPT_PARALLEL_RESIDUAL_MODEL),
     # Packed documents with the document mask (per-document attention kernel, RoPE restarts).
     dict(tp=2, sp=True, micro_batch=4, documents=True),
 ]
 
 WORLD4 = [
-    dict(dp=2, tp=2, zero=3, sp=True), dict(dp=2, tp=2, zero=1),
+    dict(dp=2, tp=2, zero=3, sp=True), dict(dp=2, tp=2, zero=1, micro_batch=2),
     dict(dp=2, pp=2, zero=2, micro_batch=2),
     dict(dp=2, pp=2, zero=3, schedule="interleaved", virtual_stages=2, micro_batch=1),
     dict(tp=2, pp=2, sp=True, micro_batch=2),
-    dict(tp=4), dict(pp=4, schedule="1f1b", micro_batch=2), dict(dp=4, zero=3, dp_replicate=2),
-    dict(dp=2, tp=2, zero=3, sp=True, model=GPT_MODEL),
+    dict(tp=4, micro_batch=4), dict(pp=4, schedule="1f1b", micro_batch=2),
+    dict(dp=4, zero=3, dp_replicate=2),
+    dict(dp=2, tp=2, zero=3, sp=True, micro_batch=2, model=GPT_MODEL),
     dict(tp=2, pp=2, sp=True, micro_batch=2, model=GPT_PARALLEL_RESIDUAL_MODEL),
-    dict(dp=2, tp=2, zero=3, sp=True, documents=True),
+    dict(dp=2, tp=2, zero=3, sp=True, micro_batch=2, documents=True),
 ]
 
 WORLD8 = [

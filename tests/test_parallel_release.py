@@ -7,7 +7,10 @@ from testkit.multiproc import run_on_ranks
 
 # The same layouts twice: the second build of a mesh equal to a released one must not meet the
 # released mesh again through torch's caches (DTensor sharding propagation).
-LAYOUTS = [dict(dp=2, zero=3), dict(tp=2, sp=True), dict(dp=2, zero=3), dict(tp=2, sp=True)]
+# TP runs 2 micro-batches of 4 rows (the threads and caches are the mesh's, not the batch's;
+# 8 micro-batches of one row cost ~0.4 s each per rank in DTensor's CPU dispatch).
+LAYOUTS = [dict(dp=2, zero=3), dict(tp=2, sp=True, micro_batch=4), dict(dp=2, zero=3),
+           dict(tp=2, sp=True, micro_batch=4)]
 
 
 def _threads_rank_fn(cfg):
