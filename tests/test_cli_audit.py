@@ -250,9 +250,11 @@ def test_doctor_on_a_one_process_run_says_it_has_no_ranks(tmp_path):
     import sys
 
     run = [sys.executable, "-m", "meshtron"]
-    subprocess.run([*run, "train", "--model", "debug", "--steps", "1", "--seq-len", "16",
-                    "--global-batch", "2", "--eval-every", "0", "--run-dir", str(tmp_path / "r")],
-                   check=True, capture_output=True, timeout=300)
+    # the run trained in-process (its folder is what a one-process launch writes; suite time),
+    # the doctor as typed
+    assert main(["train", "--model", "debug", "--steps", "1", "--seq-len", "16",
+                 "--global-batch", "2", "--eval-every", "0", "--run-dir",
+                 str(tmp_path / "r")]) == 0
     done = subprocess.run([*run, "doctor", str(tmp_path / "r")], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
@@ -268,10 +270,10 @@ def test_init_from_a_run_folder_names_it_and_the_ways_on(tmp_path):
     import sys
 
     run = [sys.executable, "-m", "meshtron"]
-    subprocess.run([*run, "train", "--model", "debug", "--steps", "1", "--seq-len", "16",
-                    "--global-batch", "2", "--eval-every", "0", "--checkpoint-every", "1",
-                    "--run-dir", str(tmp_path / "r")], check=True, capture_output=True,
-                   timeout=300)
+    # the trained run in-process (suite time), the refused --init-from as typed
+    assert main(["train", "--model", "debug", "--steps", "1", "--seq-len", "16",
+                 "--global-batch", "2", "--eval-every", "0", "--checkpoint-every", "1",
+                 "--run-dir", str(tmp_path / "r")]) == 0
     done = subprocess.run([*run, "train", "--init-from", str(tmp_path / "r"), "--steps", "1",
                            "--run-dir", str(tmp_path / "new")], capture_output=True, text=True,
                           timeout=120)

@@ -8,10 +8,15 @@ command in real processes and real files (meshtron/checkpoint/extend.py, run_id.
 - where a step taken had another rate (the cosine decay had begun) it is refused in one line
   naming that step, exit 2, nothing written;
 - run.toml's `train.run_id`: drawn for a new run, kept by --resume, new after --overwrite.
+
+Suite time: the refusals run in-process through `meshtron.cli.main` (the same argv, the same
+one-line / exit-2 / nothing-written checks); the 7-step straight run is trained once for the
+module (`constant7`) and read by the extension test and, copied, by the --overwrite test.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -19,9 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from meshtron.cli import main
 from meshtron.config import OptimConfig
 
 RUN = ["--model", "debug", "--seq-len", "32", "--global-batch", "8", "--eval-every", "0"]
+# every step after the 2-step warm-up at the peak rate: extending never changes a taken step
+CONSTANT = [*RUN, "--warmup-steps", "2", "--set", "optim.min_lr_ratio=1.0"]
 
 
 def _run(*argv, timeout=600):
@@ -40,13 +48,26 @@ def _run_id(run_dir):
     return tomllib.loads((Path(run_dir) / "run.toml").read_text())["train"]["run_id"]
 
 
-def _extend_equals_straight(tmp_path, settings, short, long, layout=(), resume_layout=None):
-    """A `short`-step run resumed with --steps `long` (with `resume_layout`, default `layout`)
-    against a straight `long`-step run (both on `layout`); the resume's stderr."""
-    ref, run_dir = tmp_path / "straight", tmp_path / "extended"
-    code, _, err = _run("train", *settings, *layout, "--steps", str(long), "--run-dir",
-                        str(ref))
+def _straight(run_dir, settings, steps, layout=()):
+    code, _, err = _run("train", *settings, *layout, "--steps", str(steps), "--run-dir",
+                        str(run_dir))
     assert code == 0, err[-2000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def constant7(tmp_path_factory):
+    """A straight 7-step CONSTANT run on one process (read only: copy it to change it)."""
+    return _straight(tmp_path_factory.mktemp("constant") / "straight", CONSTANT, 7)
+
+
+def _extend_equals_straight(tmp_path, settings, short, long, layout=(), resume_layout=None,
+                            ref=None):
+    """A `short`-step run resumed with --steps `long` (with `resume_layout`, default `layout`)
+    against a straight `long`-step run (both on `layout`; `ref` if given, else trained here);
+    the resume's stderr."""
+    run_dir = tmp_path / "extended"
+    ref = ref or _straight(tmp_path / "straight", settings, long, layout)
     code, _, err = _run("train", *settings, *layout, "--steps", str(short),
                         "--checkpoint-every", str(short), "--run-dir", str(run_dir))
     assert code == 0, err[-2000:]
@@ -63,9 +84,8 @@ def _extend_equals_straight(tmp_path, settings, short, long, layout=(), resume_l
     return err
 
 
-def test_constant_after_warmup_extends_exactly_on_one_process(tmp_path):
-    settings = [*RUN, "--warmup-steps", "2", "--set", "optim.min_lr_ratio=1.0"]
-    err = _extend_equals_straight(tmp_path, settings, 4, 7)
+def test_constant_after_warmup_extends_exactly_on_one_process(tmp_path, constant7):
+    err = _extend_equals_straight(tmp_path, CONSTANT, 4, 7, ref=constant7)
     assert ("--resume: extending the run from train.steps=4 to 7: its 4 steps taken had the "
             "same learning rate under both, so steps 5-7 continue exactly as in a run started "
             "with --steps 7") in err, err
@@ -84,21 +104,29 @@ def test_resume_without_a_layout_continues_on_the_runs_plan(tmp_path):
     """A pp=2 run (the planner picks dp=2 for this model on 2 ranks) resumed with only
     `--nproc 2`: it continues on the checkpoint's plan, not on a new search (which would reshard to
     dp=2 silently), and equals the straight pp=2 run bit for bit."""
-    settings = [*RUN, "--warmup-steps", "2", "--set", "optim.min_lr_ratio=1.0"]
     run_dir = tmp_path / "extended"
-    err = _extend_equals_straight(tmp_path, settings, 2, 4, ["--nproc", "2", "--plan", "pp=2"],
+    err = _extend_equals_straight(tmp_path, CONSTANT, 2, 4, ["--nproc", "2", "--plan", "pp=2"],
                                   ["--nproc", "2"])
     assert "--resume: continuing on the checkpoint's plan (tp=1,pp=2,dp=1 " in err, err
     assert tomllib.loads((run_dir / "plan.toml").read_text())["pp"] == 2
 
 
-def test_extending_past_the_decays_start_is_one_line_and_writes_nothing(tmp_path):
+def _refused(capsys, *argv):
+    """`meshtron ARGV` in this process: its exit code, stdout and stderr."""
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_extending_past_the_decays_start_is_one_line_and_writes_nothing(tmp_path, capsys):
     run_dir = tmp_path / "cosine"
     code, _, err = _run("train", *RUN, "--warmup-steps", "1", "--steps", "4",
                         "--checkpoint-every", "2", "--run-dir", str(run_dir))
     assert code == 0, err[-2000:]
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
-    code, out, err = _run("train", "--run-dir", str(run_dir), "--resume", "--steps", "8")
+    code, out, err = _refused(capsys, "train", "--run-dir", str(run_dir), "--resume", "--steps",
+                              "8")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)
     # steps 1 (warm-up) and 2 (the peak) agree; step 3 is the first the cosine moved
     lr3 = [2e-3 * OptimConfig(warmup_steps=1).lr_factor(2, n) for n in (4, 8)]
@@ -108,7 +136,7 @@ def test_extending_past_the_decays_start_is_one_line_and_writes_nothing(tmp_path
     assert "allowed: train.steps=4, --override-lr-schedule (step 5 on takes" in err, err
     assert "--init-from DIR --steps 8" in err and "Traceback" not in err, err
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
-    code, _, err = _run("train", "--run-dir", str(run_dir), "--override-lr-schedule")
+    code, _, err = _refused(capsys, "train", "--run-dir", str(run_dir), "--override-lr-schedule")
     assert code == 2 and "--override-lr-schedule: allowed only with --resume" in err, err
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
     # explicit: steps 5-8 on the 8-step schedule (Megatron-LM's --override-opt_param-scheduler)
@@ -126,13 +154,19 @@ def test_extending_past_the_decays_start_is_one_line_and_writes_nothing(tmp_path
                                          rel=1e-12), lr
 
 
-def test_overwrite_draws_a_new_run_id(tmp_path):
+def test_overwrite_draws_a_new_run_id(tmp_path, constant7):
+    """The first run is a copy of the module's finished run (a new run drew its id), the second
+    a --overwrite launch over it."""
     run_dir = tmp_path / "r"
+    shutil.copytree(constant7, run_dir)
     ids = []
-    for extra in ([], ["--overwrite"]):
-        code, _, err = _run("train", *RUN, "--steps", "1", "--run-dir", str(run_dir), *extra)
-        assert code == 0, err[-2000:]
+    for extra in (None, ["--overwrite"]):
+        if extra:
+            code, _, err = _run("train", *RUN, "--steps", "1", "--run-dir", str(run_dir),
+                                *extra)
+            assert code == 0, err[-2000:]
         ids.append(_run_id(run_dir))
         config = json.loads((run_dir / "config.json").read_text())
         assert config["train"]["run_id"] == ids[-1]  # the folder agrees with itself
+    assert tomllib.loads((run_dir / "run.toml").read_text())["train"]["steps"] == 1
     assert len(set(ids)) == 2 and all(len(i) == 32 for i in ids), ids

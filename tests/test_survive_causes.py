@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from testkit import no_torch
-from testkit.procs import rank_pids, records
+from testkit.procs import rank_pids, records, run_processes
 
 # testkit.no_torch: the launcher, which reads what the ranks left (a preemption, a storage
 # error, a signal, the restart budget) and reports it, does so without importing torch
@@ -182,12 +182,20 @@ def test_preemption_with_restarts_requeues_without_a_restart(tmp_path):
 
 
 def test_sigterm_without_checkpoint_returns_what_it_says(tmp_path):
+    """Also every process of the run ends: torchrun's agent and both ranks (what
+    tests/test_train_launch.py test_sigterm_to_the_parent_stops_every_rank, now `slow`, checked
+    with a launch of its own)."""
     run_dir = tmp_path / "run"
     proc = _start(run_dir)
-    _wait(lambda: _last_step(run_dir) >= 2, proc)
+    _wait(lambda: _last_step(run_dir) >= 2 and len(rank_pids(run_dir)) == 2, proc)
+    assert "agent" in run_processes(run_dir).values()  # torchrun's, beside the 2 ranks
     proc.terminate()
     out, _ = proc.communicate(timeout=150)
     assert proc.returncode == 143, out[-3000:]
+    deadline = time.monotonic() + 60
+    while run_processes(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not run_processes(run_dir), "processes left running after SIGTERM"
     assert "the 2 ranks stopped by SIGTERM without a committed checkpoint (exit code 143)" \
         in out, out[-3000:]
     code, doc = _doctor(run_dir)

@@ -230,7 +230,11 @@ def _rank_pids(marker: str) -> set[int]:
     return pids
 
 
+@pytest.mark.slow  # suite time (session 51): a launch of its own for what a default test checks
 def test_sigterm_to_the_parent_stops_every_rank(tmp_path):
+    """default coverage: tests/test_survive_causes.py::
+    test_sigterm_without_checkpoint_returns_what_it_says (SIGTERM to the launcher of a 2-rank
+    run: its agent and both ranks found running before, none left after)."""
     import signal
     import time
 
