@@ -5,6 +5,7 @@ of the wrong kind are refused before anything is written."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -50,6 +51,9 @@ def test_outside_torchrun_writes_records_and_export_checks_the_model(tmp_path, c
     second = _torchrun("train", "--model", "tiny-gpt", *TINY, "--plan", "dp=2", "--steps", "2",
                        "--checkpoint-every", "2", "--run-dir", str(run), "--overwrite")
     assert second.returncode == 0, second.stderr[-3000:]
+    # rank 0 prints the plan line meshtron's own launcher prints (it printed none)
+    assert re.search(r"^plan tp=1,pp=1,dp=2 .* on nominal-cpu:2", second.stdout, re.M), \
+        second.stdout[-2000:]
     # rank 0 of the outside launcher wrote this run's records, as `--nproc` does
     assert 'name = "tiny-gpt"' in (run / "run.toml").read_text()
     assert "dp = 2" in (run / "plan.toml").read_text()
