@@ -1,6 +1,7 @@
 """Shared pieces of the rehearsal-vs-planner table tests (tests/test_rehearse.py,
-tests/test_rehearse_moe.py): run a script of rehearsals in a fresh process, and hold every
-layout kind's planner total within 5% of its rehearsal."""
+tests/test_rehearse_moe.py): run a script of rehearsals in a fresh process (`run_kinds`), or
+several such scripts in one (`run_jobs`: a test file's default tables behind one torch import),
+and hold every layout kind's planner total within 5% of its rehearsal."""
 
 from __future__ import annotations
 

@@ -205,13 +205,29 @@ def test_routed_saved_bytes_are_what_autograd_saves(default_jobs, model):
     assert got == pytest.approx(want, rel=0.01)
 
 
-def test_rehearse_command_runs_a_moe_model_with_defaults():
-    """The user's path: model, cluster and batch only; the planner picks the layout and the
-    knobs, the rank runs on CPU under fake tensors (it used to be refused for a MoE)."""
-    out = subprocess.run([sys.executable, "-m", "meshtron", "rehearse", "--model", "tiny-moe-ds",
-                          "--cluster", "dgx-h100:1", "--global-batch", "8", "--seq-len", "256"],
+DEFAULTS = ["--model", "tiny-moe-ds", "--cluster", "dgx-h100:1", "--global-batch", "8",
+            "--seq-len", "256"]
+ONE_MICRO_BATCH = ["--layout", "dp=8", "--zero", "0", "--micro-batch", "1"]
+
+
+def _rehearse(*argv: str) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "meshtron", "rehearse", *argv],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def defaults_run() -> subprocess.CompletedProcess:
+    """`meshtron rehearse` with the model, cluster and batch only (one launch, read by the two
+    tests below)."""
+    return _rehearse(*DEFAULTS)
+
+
+def test_rehearse_command_runs_a_moe_model_with_defaults(defaults_run):
+    """The user's path: model, cluster and batch only; the planner picks the layout and the
+    knobs, the rank runs on CPU under fake tensors (it used to be refused for a MoE)."""
+    out = defaults_run
     assert "of tiny-moe-ds" in out.stdout and "tokens per expert fixed" in out.stdout
     total = [line.split() for line in out.stdout.splitlines() if line.startswith("total")][0]
     rehearsed, planned = float(total[1]), float(total[2])
@@ -223,15 +239,19 @@ def test_rehearse_command_runs_a_moe_model_with_defaults():
     assert rehearsed > 0 and -0.01 <= planned / rehearsed - 1 < 0.05
 
 
-def test_one_microbatch_steps_hold_no_gradients_at_the_loss():
+def test_one_microbatch_steps_hold_no_gradients_at_the_loss(defaults_run):
     """The planner within 5% of the rehearsal on a ZeRO-0 plan of one micro-batch per step:
     no gradient exists at the loss (zero_grad set them to None), the head's is made there
-    (estimate_gpipe._gpipe_ranks at pp 1; it was +17.0%, 2026-12-04; -0.5% 2026-12-05)."""
-    out = subprocess.run([sys.executable, "-m", "meshtron", "rehearse", "--model", "tiny-moe-ds",
-                          "--cluster", "dgx-h100:1", "--global-batch", "8", "--seq-len", "256",
-                          "--layout", "dp=8", "--zero", "0", "--micro-batch", "1"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    (estimate_gpipe._gpipe_ranks at pp 1; it was +17.0%, 2026-12-04; -0.5% 2026-12-05).
+
+    The planner's own pick for these flags is that plan (dp=8 ZeRO-0 micro-batch 1, its first
+    line says so): fixing its knobs cannot change a search's best to another plan that also
+    has them, so the defaults' launch is this rehearsal; where the pick differs, the knobs are
+    given and the command runs again."""
+    out = defaults_run
+    if " dp=8 zero=0 micro_batch=1 " not in out.stdout.splitlines()[0]:
+        out = _rehearse(*DEFAULTS, *ONE_MICRO_BATCH)
+        assert " dp=8 zero=0 micro_batch=1 " in out.stdout.splitlines()[0], out.stdout
     total = [line.split() for line in out.stdout.splitlines() if line.startswith("total")][0]
     rehearsed, planned = float(total[1]), float(total[2])
     assert abs(planned / rehearsed - 1) < 0.05
