@@ -1,6 +1,7 @@
 """Shared pieces of the rehearsal-vs-planner table tests (tests/test_rehearse.py,
-tests/test_rehearse_moe.py): run a script of rehearsals in a fresh process, and hold every
-layout kind's planner total within 5% of its rehearsal."""
+tests/test_rehearse_moe.py): run a script of rehearsals in a fresh process (`run_kinds`), or
+several such scripts in one (`run_jobs`: a test file's default tables behind one torch import),
+and hold every layout kind's planner total within 5% of its rehearsal."""
 
 from __future__ import annotations
 
@@ -34,3 +35,44 @@ def check_totals(results: dict, what: str, digits: int = 3) -> None:
         if abs(planned / rehearsed - 1) > 0.05:
             off[name] = (round(rehearsed, digits), round(planned, digits))
     assert not off, f"planner vs {what} beyond 5% (GiB rehearsed, planned): {off}"
+
+
+JOBS_DRIVER = """
+import contextlib, io, json, sys, traceback
+import torch
+jobs = json.loads(sys.stdin.read())
+out = {}
+for name, (script, arg) in jobs.items():
+    sys.argv = ["-c", json.dumps(arg)]
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(script, "<job " + name + ">", "exec"), {"__name__": "__main__"})
+        line = [x for x in printed.getvalue().splitlines() if x.startswith("RESULT")][-1]
+        out[name] = {"result": json.loads(line[len("RESULT"):])}
+    except BaseException:
+        out[name] = {"error": traceback.format_exc()[-3000:]}
+    finally:
+        torch.set_default_dtype(torch.float32)  # a job's own setting ends with it
+print("JOBS" + json.dumps(out))
+"""
+
+
+def run_jobs(jobs: dict[str, tuple[str, list]]) -> dict[str, dict]:
+    """Run several `run_kinds` scripts (name: (script, arg)) one after another in ONE fresh
+    process: the child's torch import and the rehearsal's first-call setup (~5-8 CPU s on
+    the CI box) are paid once per test file, not once per test. Each job runs as it would
+    alone (its own globals, `sys.argv[1]` its JSON arg); a job that raises is recorded with
+    its traceback and the others still run. {name: {"result": ...} or {"error": text}}."""
+    proc = subprocess.run([sys.executable, "-c", JOBS_DRIVER], input=json.dumps(jobs),
+                          capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("JOBS")][-1]
+    return json.loads(line[len("JOBS"):])
+
+
+def job_result(results: dict[str, dict], name: str):
+    """One job's JSON from `run_jobs`; its traceback as the failure when it raised."""
+    got = results[name]
+    assert "error" not in got, f"{name}:\n{got['error']}"
+    return got["result"]

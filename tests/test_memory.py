@@ -333,8 +333,16 @@ def test_planner_states_equal_the_runtimes_bytes_on_every_rank():
             assert got == want, (layout, rank)
 
 
+@pytest.mark.slow  # suite time (session 51): a path two default tests cover
 def test_memory_json_of_a_real_run_matches_the_planner(tmp_path):
-    """`meshtron train --nproc 4` end to end: its memory.json against the planner's breakdown."""
+    """`meshtron train --nproc 4` end to end: its memory.json against the planner's breakdown.
+
+    default coverage:
+    tests/test_train_launch.py::test_two_ranks_through_the_cli_match_single_process
+    (memory.json of a `meshtron train --nproc 2` run: the planner's per-rank states equal
+    the measured bytes exactly) and
+    tests/test_memory.py::test_planner_states_equal_the_runtimes_bytes_on_every_rank (this
+    layout, tp=2 pp=2 dp=1 ZeRO-0 bf16, on every rank: the bytes memory.json writes)."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "meshtron", "train", "--nproc", "4", "--plan",
            "tp=2,pp=2,dp=1", "--zero", "0", "--micro-batch", "2", "--schedule", "1f1b",

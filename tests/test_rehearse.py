@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit.rehearsal import check_totals, run_kinds
+from testkit.rehearsal import check_totals, job_result, run_jobs, run_kinds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,8 +62,21 @@ def _check(results: dict) -> None:
     check_totals(results, "rehearsal")
 
 
-def test_planner_agrees_with_rehearsal_on_three_layout_kinds():
-    _check(_run_kinds(FAST))
+@pytest.fixture(scope="module")
+def default_jobs() -> dict:
+    """The default suite's rehearsal tables of this file, in one child process (one torch
+    import and rehearsal setup instead of five); each test reads its own table."""
+    return run_jobs({
+        "fast kinds": (RUN_KINDS, [MODEL, BASE, {n: KINDS[n] for n in FAST}]),
+        "non-last stages": (RUN_STAGES, [MODEL, BASE, NON_LAST]),
+        "gpipe stages": (RUN_STAGES, [MODEL, BASE, GPIPE_STAGES]),
+        "looped stages": (RUN_STAGES, [MODEL, BASE, LOOPED_STAGES]),
+        "one micro-batch": (RUN_KINDS, [MODEL, BASE, ONE_MB]),
+    })
+
+
+def test_planner_agrees_with_rehearsal_on_three_layout_kinds(default_jobs):
+    _check(job_result(default_jobs, "fast kinds"))
 
 
 KINDS["tp no-sp zero-1"] = dict(tp=4, dp=2, zero=1)
@@ -161,16 +174,11 @@ NON_LAST = {  # name: (knobs, pipeline rank): a stage that sends its output on
 }
 
 
-def test_planner_counts_the_outputs_a_pipeline_stage_keeps():
+def test_planner_counts_the_outputs_a_pipeline_stage_keeps(default_jobs):
     """torch's pipelining keeps every in-flight micro-batch's stage output until its backward
     (PipelineStage.fwd_cache; planner/memory_pipeline.py `held_outputs`): the first stage of a
     1F1B pipeline within 2% of the rehearsal (without them the planner read -2.0% and -3.5%)."""
-    arg = json.dumps([MODEL, BASE, NON_LAST])
-    out = subprocess.run([sys.executable, "-c", RUN_STAGES, arg], capture_output=True,
-                         text=True, cwd=ROOT, timeout=900)
-    assert out.returncode == 0, out.stderr[-2000:]
-    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")][-1]
-    for name, rows in json.loads(line[len("RESULT"):]).items():
+    for name, rows in job_result(default_jobs, "non-last stages").items():
         rehearsed, planned = rows["total"]
         assert planned / rehearsed - 1 == pytest.approx(0.0, abs=0.02), (name, rows)
 
@@ -566,10 +574,10 @@ def _run_stages(cases: dict) -> dict:
     return run_kinds(RUN_STAGES, [MODEL, BASE, cases])
 
 
-def test_gpipe_stages_agree_with_rehearsal():
+def test_gpipe_stages_agree_with_rehearsal(default_jobs):
     """GPipe's first stage (no accumulated gradient at its fullest moment) and its last
     (every micro-batch's loss tensors held) within the table's 5%."""
-    _check(_run_stages(GPIPE_STAGES))
+    _check(job_result(default_jobs, "gpipe stages"))
 
 
 @pytest.mark.slow
@@ -664,11 +672,11 @@ LOOPED_SLOW = {  # before -> after (the same day and branch)
 }
 
 
-def test_looped_bfs_ranks_agree_with_rehearsal():
+def test_looped_bfs_ranks_agree_with_rehearsal(default_jobs):
     """Looped BFS's first rank (every chunk's micro-batches, no accumulated gradient at its
     fullest moment) and its last (every micro-batch's loss tensors beside every chunk's
     activations) within the table's 5%."""
-    _check(_run_stages(LOOPED_STAGES))
+    _check(job_result(default_jobs, "looped stages"))
 
 
 @pytest.mark.slow
@@ -714,8 +722,8 @@ ONE_MB_SLOW = {
 }
 
 
-def test_one_microbatch_without_a_pipeline_agrees_with_rehearsal():
-    _check(run_kinds(RUN_KINDS, [MODEL, BASE, ONE_MB]))
+def test_one_microbatch_without_a_pipeline_agrees_with_rehearsal(default_jobs):
+    _check(job_result(default_jobs, "one micro-batch"))
 
 
 @pytest.mark.slow

@@ -4,14 +4,9 @@ planner/memory_pipeline.py). Small models: each rehearsal is a few seconds."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from testkit.rehearsal import job_result, run_jobs
 
 MODEL = dict(name="small", layers=6, hidden=512, heads=8, kv_heads=4, ffn_hidden=1408,
              vocab=8000, max_seq=1024)
@@ -44,21 +39,27 @@ print("RESULT" + json.dumps(dict(raw=raw, states=states[-1], peak=r["peak_bytes"
 """
 
 
-def _raw(knobs: dict, rank: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", RAW, json.dumps([MODEL, BASE, knobs, rank])],
-                         capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
+RECEIVE_CASES = {"m=4": (dict(schedule="1f1b", global_batch=32), 4),
+                 "m=8": (dict(schedule="1f1b", global_batch=64), 4)}
 
 
-def test_a_second_stage_parameters_are_counted_once():
+@pytest.fixture(scope="module")
+def rehearsals() -> dict:
+    """Both tests' rehearsals in one child process (one torch import instead of two). RAW
+    wraps two functions of meshtron.rehearse.step for the rest of its process: it runs last."""
+    return run_jobs({
+        "receive buffers": (PEAK, [dict(MODEL, layers=2), BASE, RECEIVE_CASES]),
+        "raw zbv rank 4": (RAW, [MODEL, BASE, dict(schedule="zbv"), 4]),
+    })
+
+
+def test_a_second_stage_parameters_are_counted_once(rehearsals):
     """On a rank of two stages (torch's V, pp=2: stages 1 and 2 on pipeline rank 1) the
     tracker files the second stage's parameter shards as parameters, not as optimizer states
     (where AdamW's in-place updates would first show them), and nothing adds them again:
     its optimizer category is AdamW's states exactly (before: states + the second stage's
     shards, 5.6 MiB here, and the same shards added again as `untracked`)."""
-    r = _raw(dict(schedule="zbv"), rank=4)
+    r = job_result(rehearsals, "raw zbv rank 4")
     assert r["stages"] == [1, 2]
     raw, peak = r["raw"], r["peak"]
     # the states and nothing else (AdamW's 4-byte step counters are tracked as states too)
@@ -86,21 +87,14 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def test_a_stage_holds_a_receive_buffer_per_micro_batch():
+def test_a_stage_holds_a_receive_buffer_per_micro_batch(rehearsals):
     """torch's PipelineStage makes one input buffer per micro-batch of the step on a
     non-first stage and keeps them all (rehearse/pipeline_step.py `ReceiveBuffers`): the
     last stage of a 2-stage 1F1B pipeline holds the same at its peak whatever m, except 4
     more [2, 512, 512] bf16 buffers (1 MiB each) for 4 more micro-batches, and the batch's
     4 more rows of token ids and targets (int64). Before, received inputs were freed after
     their backward: only the token ids grew."""
-    cases = {"m=4": (dict(schedule="1f1b", global_batch=32), 4),
-             "m=8": (dict(schedule="1f1b", global_batch=64), 4)}
-    arg = json.dumps([dict(MODEL, layers=2), BASE, cases])
-    out = subprocess.run([sys.executable, "-c", PEAK, arg], capture_output=True, text=True,
-                         cwd=ROOT, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")][-1]
-    r = json.loads(line[len("RESULT"):])
+    r = job_result(rehearsals, "receive buffers")
     buffer = 2 * 512 * 512 * 2
     ids = 2 * (4 * 2) * 512 * 8  # tokens and targets: 4 micro-batches of 2 rows more
     assert r["m=8"] - r["m=4"] == pytest.approx(4 * buffer + ids, abs=4096)
