@@ -29,9 +29,6 @@ EARLIER = "earlier"
 RESUMED = "resumed.json"
 KEPT = ("trace", "attempts")
 """The per-launch folders (doctor.trace_dir's base; checkpoint/restart.py ATTEMPTS)."""
-CLOCK_MARGIN_S = 5.0
-"""A file this much older than this launch's first rank start still counts as this launch's
-(the ranks' clocks on other nodes may run behind the file server's)."""
 
 
 def root(run_dir: Path | str) -> Path:
@@ -98,28 +95,37 @@ def set_aside_in_place(run_dir: Path | str, world_size: int, resume: bool,
 
 
 def _launch_start(tdir: Path, world_size: int) -> float:
-    """When this launch's first rank started (its hello file's start_t; now, when none can be
-    read: a run folder not shared between nodes shows rank 0 only its own node's)."""
-    starts = []
+    """When this launch's first rank started, on the file system's clock: the oldest
+    modification time of this launch's hello files (each rank wrote its own before the
+    rendezvous; a folder not shared between nodes shows rank 0 only its own node's). The file
+    system's clock, not the ranks': an earlier launch's files carry its times too, so no
+    margin for the nodes' clocks is needed, and a resume seconds after a failure is told
+    apart (a 5 s margin on the ranks' clocks kept a watchdog's dumps of 3 s before)."""
+    times = []
     for rank in range(world_size):
         try:
-            starts.append(float(json.loads((tdir / f"rank_{rank}.hello.json").read_text())
-                                ["start_t"]))
-        except (OSError, ValueError, KeyError, TypeError):
+            times.append((tdir / f"rank_{rank}.hello.json").stat().st_mtime)
+        except OSError:
             continue
-    return min(starts, default=time.time())
+    return min(times, default=time.time())
 
 
 def _this_launch(path: Path, world_size: int, start_t: float) -> bool:
     """A hello file of one of this launch's ranks (each rank rewrote its own), or anything
-    written since this launch began (a margin for clocks of other nodes); older files are an
-    earlier launch's."""
+    written since this launch's first rank started; older files are an earlier launch's."""
     if path.name in {f"rank_{rank}.hello.json" for rank in range(world_size)}:
         return True
     try:
-        return path.stat().st_mtime >= start_t - CLOCK_MARGIN_S
+        return path.stat().st_mtime >= start_t
     except OSError:
         return True  # gone meanwhile: nothing to move
+
+
+def say_kept(run_dir: Path | str, kept: Path | None) -> None:
+    """The launcher's (or an outside launch's rank 0's) line naming the archive just made."""
+    if kept is not None:
+        print(f"meshtron train: the previous launch's trace and failure notes are kept in "
+              f"{kept} (meshtron doctor {run_dir} --earlier {kept.name})", flush=True)
 
 
 def resumed_step(folder: Path | str) -> int | None:

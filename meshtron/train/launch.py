@@ -267,9 +267,7 @@ def keep_or_clear_evidence(job: TrainJob, run_dir: Path) -> None:
             raise UserError(f"--resume: could not keep the previous launch's trace in "
                             f"{earlier.root(run_dir)} ({exc}); move {run_dir / 'trace'} and "
                             f"{run_dir / restart.ATTEMPTS} away, or free the folder") from None
-        if kept is not None:
-            print(f"meshtron train: the previous launch's trace and failure notes are kept in "
-                  f"{kept} (meshtron doctor {run_dir} --earlier {kept.name})", flush=True)
+        earlier.say_kept(run_dir, kept)
     else:
         earlier.forget(run_dir)
     clear_trace(run_dir)

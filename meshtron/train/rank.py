@@ -274,9 +274,7 @@ def _set_aside_earlier_launch(job: TrainJob, world_size: int) -> None:
         raise UserError(f"run_dir={str(run_dir)!r}: could not set aside the previous "
                         f"launch's trace ({exc}); move the old files in "
                         f"{run_dir / 'trace'} away, or free the folder") from None
-    if kept is not None:
-        print(f"meshtron train: the previous launch's trace and failure notes are kept in "
-              f"{kept} (meshtron doctor {run_dir} --earlier {kept.name})", flush=True)
+    earlier.say_kept(run_dir, kept)
 
 
 def agreed_plan(job: TrainJob, world: World):
