@@ -3,11 +3,15 @@
 `rank_pids(run_dir)`: {rank: pid} of the torchrun workers training into `run_dir`, read from
 /proc (their environment carries the rank argv, meshtron/launch.py MESHTRON_RANK_ARGV, which
 names the run folder, and torchrun's RANK); `run_processes(run_dir)`: the same with torchrun's
-agent. `records(run_dir)`: the run's metrics.jsonl records so far ([] before the first)."""
+agent; `left_after(run_dir, timeout_s)`: those still there once each has ended or the time is
+up. `records(run_dir)`: the run's metrics.jsonl records so far ([] before the first)."""
 
 from __future__ import annotations
 
 import json
+import os
+import select
+import time
 from pathlib import Path
 
 
@@ -28,6 +32,23 @@ def run_processes(run_dir: Path | str) -> dict[int, str]:
             rank = env.get(b"RANK")
             out[int(d.name)] = f"rank {int(rank)}" if rank else "agent"
     return out
+
+
+def left_after(run_dir: Path | str, timeout_s: float) -> dict[int, str]:
+    """Wait until every process of `run_dir` (run_processes) has ended, at most `timeout_s`
+    in all; returns those still running. Waits on each process's pidfd (they are not this
+    process's children: waitpid cannot see them), so no polling interval decides the end."""
+    deadline = time.monotonic() + timeout_s
+    for pid in run_processes(run_dir):
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue  # already gone
+        try:
+            select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(fd)
+    return run_processes(run_dir)
 
 
 def rank_pids(run_dir: Path | str) -> dict[int, int]:

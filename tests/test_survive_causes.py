@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from testkit import no_torch
-from testkit.procs import rank_pids, records, run_processes
+from testkit.procs import left_after, rank_pids, records, run_processes
 
 # testkit.no_torch: the launcher, which reads what the ranks left (a preemption, a storage
 # error, a signal, the restart budget) and reports it, does so without importing torch
@@ -192,10 +192,7 @@ def test_sigterm_without_checkpoint_returns_what_it_says(tmp_path):
     proc.terminate()
     out, _ = proc.communicate(timeout=150)
     assert proc.returncode == 143, out[-3000:]
-    deadline = time.monotonic() + 60
-    while run_processes(run_dir) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not run_processes(run_dir), "processes left running after SIGTERM"
+    assert not left_after(run_dir, 60), "processes left running after SIGTERM"
     assert "the 2 ranks stopped by SIGTERM without a committed checkpoint (exit code 143)" \
         in out, out[-3000:]
     code, doc = _doctor(run_dir)

@@ -16,6 +16,7 @@ from meshtron.cli import main
 from meshtron.config import config_from_dict
 from meshtron.train.loop import train
 from testkit import no_torch
+from testkit.procs import left_after, run_processes
 from testkit.rank_imports import refuse_in_ranks
 
 RUN = ["--model", "debug", "--steps", "3", "--seq-len", "32", "--global-batch", "8",
@@ -215,21 +216,6 @@ def test_one_rank_saved_plan_runs_in_its_dtype(capsys, tmp_path):
     assert run["train"]["dtype"] == plan["dtype"] == "bf16"
 
 
-def _rank_pids(marker: str) -> set[int]:
-    """Processes whose environment carries this run's rank argv (torchrun and its ranks)."""
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if marker.encode() in f.read():
-                    pids.add(int(entry))
-        except OSError:
-            continue
-    return pids
-
-
 @pytest.mark.slow  # suite time (session 51): a launch of its own for what a default test checks
 def test_sigterm_to_the_parent_stops_every_rank(tmp_path):
     """default coverage: tests/test_survive_causes.py::
@@ -250,14 +236,11 @@ def test_sigterm_to_the_parent_stops_every_rank(tmp_path):
     while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
         assert parent.poll() is None, "training ended early"
         time.sleep(0.5)
-    ranks = _rank_pids(str(run_dir))
+    ranks = run_processes(run_dir)
     assert len(ranks) >= 3  # torchrun + 2 ranks
     parent.send_signal(signal.SIGTERM)
     assert parent.wait(timeout=90) != 0
-    deadline = time.monotonic() + 60
-    while _rank_pids(str(run_dir)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _rank_pids(str(run_dir)), "ranks left running after SIGTERM"
+    assert not left_after(run_dir, 60), "ranks left running after SIGTERM"
 
 
 @pytest.mark.slow  # suite time (stop 44): a scenario a default test covers
