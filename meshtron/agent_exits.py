@@ -29,7 +29,14 @@ class AgentExits(logging.Filter):
 
     A rank the agent stopped is left out unless it ended by another signal than the agent's
     (it died of its own before the agent's signal landed): the note names the ranks whose end
-    was their own, so a SIGKILL, SIGSEGV or SIGBUS is named wherever torchrun logged it."""
+    was their own, so a SIGKILL, SIGSEGV or SIGBUS is named wherever torchrun logged it.
+
+    The two records read here are then dropped, not printed: meshtron says the same per rank
+    (launch.py `_report_failures`: "torchrun: rank 1 (pid ...) failed: killed by SIGKILL";
+    the restart line: "restart 1 (torchrun): rank 1 killed by SIGKILL"), and torchrun's
+    "W1207 ... Sending process 4185 closing signal SIGTERM" / "E1207 ... failed (exitcode: -9)
+    local_rank: 1 ..." lines gave the user pids and a binary path to act on instead. "Unable
+    to shutdown process" (a rank that ignored SIGTERM) stays."""
 
     def __init__(self, run_dir: str) -> None:
         super().__init__()
@@ -44,7 +51,8 @@ class AgentExits(logging.Filter):
         msg = str(record.msg)
         if msg.startswith("Sending process %s closing signal %s") and len(args) >= 2:
             self._stopped(args[0], args[1])
-        elif msg.startswith("Unable to shutdown process %s via %s") and len(args) >= 3:
+            return False
+        if msg.startswith("Unable to shutdown process %s via %s") and len(args) >= 3:
             self._stopped(args[0], args[2])
         elif msg.startswith("failed (exitcode: %s) local_rank: %s") and len(args) >= 2:
             from meshtron.checkpoint.restart import note_agent_exits
@@ -55,6 +63,7 @@ class AgentExits(logging.Filter):
                 note_agent_exits(self.run_dir, self.attempt, exits)
             self.attempt += 1
             self.last_stopped, self.stopped = self.stopped, {}
+            return False
         return True
 
     def _stopped(self, pid, sig) -> None:

@@ -221,6 +221,8 @@ def test_sigkilled_rank_is_named_with_its_signal(tmp_path):
             "rank 1 killed by SIGKILL (no Python error)")
     assert restart["cause"] == both, restart
     assert f"restart 1 (torchrun): {both}; resumed from step" in out, out[-3000:]
+    # said once, by meshtron: not again as torchrun's W/E log lines with pids (AgentExits)
+    assert "closing signal" not in out and "failed (exitcode" not in out, out[-3000:]
     assert restart["resumed_from_step"] >= 3, restart
     code, doc = _doctor(run_dir)
     first = doc["attempts"][0]  # no rank dumped: the agent's view is the evidence
@@ -288,6 +290,8 @@ def test_rank_killed_after_a_dump_on_demand_is_dead(tmp_path):
     os.kill(victim, signal.SIGKILL)
     out, _ = proc.communicate(timeout=150)
     assert proc.returncode != 0, out[-3000:]
+    assert "torchrun: rank 1" in out and "killed by SIGKILL" in out, out[-3000:]
+    assert "closing signal" not in out and "failed (exitcode" not in out, out[-3000:]
     code, doc = _doctor(run_dir)
     assert code == 3 and doc["kind"] == "dead_rank" and doc["culprit_ranks"] == [1], doc
     # "(killed by SIGKILL)" when torchrun's agent logged rank 1's end first, else "(its

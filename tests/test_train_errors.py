@@ -251,6 +251,7 @@ def test_a_killed_rank_is_one_line_per_rank_not_tracebacks(tmp_path):
     assert proc.returncode == 1, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     assert "torchrun: rank 1" in out and "killed by SIGKILL" in out, out[-3000:]
+    assert "closing signal" not in out and "failed (exitcode" not in out, out[-3000:]
     # rank 0 notices first (one line), or torchrun stops it first (its line names rank 0)
     assert ("meshtron train (rank 0): stopped: a peer rank is gone" in out
             or "torchrun: rank 0" in out), out[-3000:]
