@@ -269,7 +269,9 @@ def begin_round(job, world):
     payload: list[Any] = [None]
     if world.rank == 0:
         try:
-            payload[0] = {"continuing": _claim_run_dir(job)}
+            continuing = _claim_run_dir(job)
+            _set_aside_earlier_round(job, continuing)
+            payload[0] = {"continuing": continuing}
         except UserError as exc:
             payload[0] = {"error": str(exc)}
     if world.world_size > 1:
@@ -279,6 +281,23 @@ def begin_round(job, world):
     ckpt = dataclasses.replace(job.checkpoint, resume_if_any=True)
     # The folder is this job's from here on: rank 0's later checks must not refuse it.
     return dataclasses.replace(job, checkpoint=ckpt, overwrite=True)
+
+
+def _set_aside_earlier_round(job, continuing: bool) -> None:
+    """Rank 0, before any rank of this round writes into RUN_DIR/trace (an elastic rank starts
+    its doctor after `begin_round`; the others wait in its broadcast): a later round keeps the
+    rounds before it in RUN_DIR/earlier/N as a --resume keeps an earlier launch (`meshtron
+    doctor RUN_DIR --earlier N`: the lost node's ranks); a new job follows the run's own rule
+    (--resume keeps, a fresh run clears). Every round's ranks write RUN_DIR/trace (no attempt
+    folders: each agent counts its restarts itself), so before this a job that went on with
+    fewer ranks and finished kept the lost rank's hello file, and `meshtron doctor` called that
+    rank frozen; a stale ABORT.json would have stopped the next round at once."""
+    from meshtron.train.launch import keep_or_clear_evidence
+
+    resume = continuing or bool(job.checkpoint.resume)
+    keep_or_clear_evidence(dataclasses.replace(
+        job, checkpoint=dataclasses.replace(job.checkpoint, resume=resume)),
+        Path(job.cfg.train.run_dir))
 
 
 def _claim_run_dir(job) -> bool:
