@@ -59,6 +59,33 @@ def keep_previous(run_dir: Path | str, resumed_from: int | None) -> Path | None:
     return target
 
 
+def keep_or_clear(run_dir: Path | str, resume: bool) -> None:
+    """Before a launch's ranks write anything: the previous launch's trace and failure notes
+    are kept in RUN_DIR/earlier/N on a --resume (`keep_previous`; said in one line), so that
+    `meshtron doctor` can still say why it ended, or cleared with the earlier launches on a
+    fresh run (a stale ABORT.json would stop it at once). Either way this launch's attempts are
+    counted from 0 and its trace is new. Meshtron's launcher calls it, and rank 0 of every
+    elastic round (train/elastic.py)."""
+    from meshtron.checkpoint import restart, store
+    from meshtron.doctor.dump import clear_trace
+    from meshtron.errors import UserError
+
+    run_dir = Path(run_dir)
+    if resume:
+        step = store.find_latest(store.checkpoint_root(run_dir), deep=False).step
+        try:
+            kept = keep_previous(run_dir, step)
+        except OSError as exc:
+            raise UserError(f"--resume: could not keep the previous launch's trace in "
+                            f"{root(run_dir)} ({exc}); move {run_dir / 'trace'} and "
+                            f"{run_dir / restart.ATTEMPTS} away, or free the folder") from None
+        say_kept(run_dir, kept)
+    else:
+        forget(run_dir)
+    clear_trace(run_dir)
+    restart.clear_notes(run_dir)  # attempts are counted again from 0
+
+
 def set_aside_in_place(run_dir: Path | str, world_size: int, resume: bool,
                        resumed_from: int | None) -> Path | None:
     """`keep_previous` (resume) or the clearing a fresh run does, for a launch with no meshtron

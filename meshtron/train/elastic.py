@@ -292,12 +292,9 @@ def _set_aside_earlier_round(job, continuing: bool) -> None:
     folders: each agent counts its restarts itself), so before this a job that went on with
     fewer ranks and finished kept the lost rank's hello file, and `meshtron doctor` called that
     rank frozen; a stale ABORT.json would have stopped the next round at once."""
-    from meshtron.train.launch import keep_or_clear_evidence
+    from meshtron.train import earlier
 
-    resume = continuing or bool(job.checkpoint.resume)
-    keep_or_clear_evidence(dataclasses.replace(
-        job, checkpoint=dataclasses.replace(job.checkpoint, resume=resume)),
-        Path(job.cfg.train.run_dir))
+    earlier.keep_or_clear(job.cfg.train.run_dir, continuing or bool(job.checkpoint.resume))
 
 
 def _claim_run_dir(job) -> bool:

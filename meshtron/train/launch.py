@@ -18,7 +18,7 @@ from pathlib import Path
 from meshtron.checkpoint.resume import check_resume, say_world
 from meshtron.errors import UserError
 from meshtron.launch import World, current_world
-from meshtron.train import outputs, run_lock
+from meshtron.train import earlier, outputs, run_lock
 from meshtron.train.job import ParallelRequest, TrainJob
 from meshtron.train.job import warn, write_run_records  # job.py: rank.py writes them too
 
@@ -239,7 +239,7 @@ def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: in
 
     warn(job)
     run_dir = Path(job.cfg.train.run_dir)
-    keep_or_clear_evidence(job, run_dir)  # before run.toml: the previous launch's is not ours
+    earlier.keep_or_clear(run_dir, bool(job.checkpoint.resume))  # before run.toml: not ours
     write_run_records(job, plan)
     outputs.print_plan(plan, chosen.cluster, dtype_note(job, request, plan), chosen.source)
     outputs.print_moe_aux_note(job.cfg.model, plan)
@@ -248,30 +248,6 @@ def start_ranks(job: TrainJob, plan, chosen, request: ParallelRequest, nproc: in
                         max_restarts=job.checkpoint.max_restarts,
                         grace_s=job.checkpoint.preempt_grace_s,
                         env={RUN_DIR_ENV: str(run_dir)})
-
-
-def keep_or_clear_evidence(job: TrainJob, run_dir: Path) -> None:
-    """The previous launch's trace and failure notes: a --resume keeps them in
-    RUN_DIR/earlier/N (renamed, train/earlier.py), so that `meshtron doctor` can still say why
-    it ended; a fresh run clears them with the earlier launches (a stale ABORT.json would stop
-    it at once). Either way this launch's attempts are counted from 0 and its trace is new."""
-    from meshtron.checkpoint import restart, store
-    from meshtron.doctor.dump import clear_trace
-    from meshtron.train import earlier
-
-    if job.checkpoint.resume:
-        step = store.find_latest(store.checkpoint_root(run_dir), deep=False).step
-        try:
-            kept = earlier.keep_previous(run_dir, step)
-        except OSError as exc:
-            raise UserError(f"--resume: could not keep the previous launch's trace in "
-                            f"{earlier.root(run_dir)} ({exc}); move {run_dir / 'trace'} and "
-                            f"{run_dir / restart.ATTEMPTS} away, or free the folder") from None
-        earlier.say_kept(run_dir, kept)
-    else:
-        earlier.forget(run_dir)
-    clear_trace(run_dir)
-    restart.clear_notes(run_dir)  # attempts are counted again from 0
 
 
 def claim_run_dir(job: TrainJob, plan) -> None:

@@ -261,7 +261,7 @@ def _set_aside_earlier_launch(job: TrainJob, world_size: int) -> None:
     """An outside launch's rank 0: what earlier launches left in the run folder's trace and
     failure notes is kept in RUN_DIR/earlier/N (--resume) or removed (a fresh run), as
     meshtron's own launcher does before it starts ranks (train/launch.py
-    keep_or_clear_evidence); here after the rendezvous, file by file (train/earlier.py)."""
+    earlier.keep_or_clear); here after the rendezvous, file by file (train/earlier.py)."""
     from meshtron.checkpoint import store
     from meshtron.train import earlier
 
