@@ -282,3 +282,23 @@ def test_init_from_a_run_folder_names_it_and_the_ways_on(tmp_path):
     assert len(err.splitlines()) == 1 and "a meshtron run folder" in err, err
     assert "meshtron export" in err and "--resume" in err and "model_type" not in err, err
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("folder, needle", [
+    ("missing", "not a folder"),
+    ("empty", "holds no config.json"),
+    ("empty/weights.safetensors", "not a folder"),
+])
+def test_init_from_without_a_model_names_init_from(capsys, tmp_path, folder, needle):
+    """Session-52 user audit: `meshtron train --init-from out/nothere --steps 3` (no --model:
+    the model comes from the folder's config.json) was refused as "model='out/nothere': file
+    does not exist", naming a field the user never gave."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "weights.safetensors").write_bytes(b"")
+    path = str(tmp_path / folder)
+    code = main(["train", "--init-from", path, "--steps", "1", "--run-dir",
+                 str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"train.init_from={path!r}: {needle}" in err and "model=" not in err, err
+    assert not (tmp_path / "r").exists()

@@ -232,7 +232,9 @@ def _follow_init_from(init_from: str, doc: dict[str, Any], overrides: dict[str, 
     from meshtron.data.tokenizer import tokenizer_file
 
     _refuse_run_folder(init_from)
-    if overrides.get("model") is None and "model" not in doc:
+    takes_model = overrides.get("model") is None and "model" not in doc
+    if takes_model:
+        _refuse_missing_folder(init_from)
         overrides["model"] = init_from  # the checkpoint's config.json
     data = doc.get("data")
     given = overrides.get("data.tokenizer") is not None or (
@@ -246,6 +248,23 @@ def _follow_init_from(init_from: str, doc: dict[str, Any], overrides: dict[str, 
                         "tokenizer.model, which meshtron does not read; save its tokenizer.json "
                         "(transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)) "
                         "or give --tokenizer (byte: train these weights on byte ids)")
+
+
+def _refuse_missing_folder(init_from: str) -> None:
+    """A missing --init-from folder, or one without config.json, when the model comes from it:
+    named as `train.init_from`, where it was refused as "model='PATH': file does not exist", a
+    field the user never gave (session-52 user audit). Only then: with the model given, the
+    weights are read (and a missing folder named) only when no checkpoint is resumed."""
+    from pathlib import Path
+
+    folder = Path(init_from)
+    if not folder.is_dir():
+        raise UserError(f"train.init_from={init_from!r}: not a folder (a Hugging Face "
+                        "checkpoint folder holds config.json and *.safetensors)")
+    if not (folder / "config.json").is_file():
+        raise UserError(f"train.init_from={init_from!r}: holds no config.json (the model its "
+                        "weights are for); allowed: a Hugging Face checkpoint folder "
+                        "(config.json and *.safetensors), or the model given as --model")
 
 
 def _refuse_run_folder(init_from: str) -> None:
