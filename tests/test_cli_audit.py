@@ -302,3 +302,16 @@ def test_init_from_without_a_model_names_init_from(capsys, tmp_path, folder, nee
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"train.init_from={path!r}: {needle}" in err and "model=" not in err, err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("name, what", [("missing", "does not exist"), ("file", "is a file")])
+def test_export_of_a_folder_that_is_not_there_says_so(capsys, tmp_path, name, what):
+    """Session-52 user audit: `meshtron export runs/nothere --to out/x` said "no run.toml or
+    config.json (not a meshtron run folder)" about a folder that does not exist."""
+    (tmp_path / "file").write_text("{}")
+    run, out = str(tmp_path / name), tmp_path / "out"
+    assert main(["export", run, "--to", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [f"meshtron export: error: export RUN_DIR={run!r}: {what}; give "
+                                "a meshtron run folder"], err
+    assert not out.exists()
