@@ -315,3 +315,16 @@ def test_export_of_a_folder_that_is_not_there_says_so(capsys, tmp_path, name, wh
     assert err.splitlines() == [f"meshtron export: error: export RUN_DIR={run!r}: {what}; give "
                                 "a meshtron run folder"], err
     assert not out.exists()
+
+
+def test_resume_with_overwrite_is_refused(capsys, tmp_path):
+    """Session-52 user audit: `meshtron train --run-dir R --resume --overwrite` resumed, as if
+    --overwrite were not there; one of them is what the user meant."""
+    run = str(tmp_path / "r")
+    assert main(["train", "--model", "debug", "--steps", "1", "--run-dir", run, "--resume",
+                 "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [
+        f"meshtron train: error: --resume with --overwrite: allowed one of them (--resume "
+        f"continues the run in train.run_dir={run!r}, --overwrite replaces it with a new run)"]
+    assert not (tmp_path / "r").exists()

@@ -434,6 +434,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from meshtron.train.launch import run_job
 
     cfg = run_config(args)
+    if args.resume and args.overwrite and not args.launched_rank:
+        # both were taken as --resume, silently (session-52 user audit)
+        raise UserError(f"--resume with --overwrite: allowed one of them (--resume continues "
+                        f"the run in train.run_dir={cfg.train.run_dir!r}, --overwrite replaces "
+                        "it with a new run)")
     if args.resume and not args.launched_rank:
         from meshtron.train.replica_run import refuse_resume
 
