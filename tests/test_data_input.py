@@ -206,6 +206,12 @@ def test_tokenize_writes_a_shard_that_train_reads(capsys, tmp_path):
                          "byte tokenizer (259 ids); allowed: --tokenizer byte (the default: "
                          "drop --tokenizer)"), line
     assert not (tmp_path / "bpe").exists()
+    # the sidecar given for the shard was read as JSON Lines ("invalid JSON ... column 2")
+    line = refused(capsys, *TRAIN, "--data", f"{shard}.json", "--run-dir", tmp_path / "side")
+    assert line.endswith(f"error: data.source='{shard}.json': the sidecar of the token shard "
+                         f"'{shard}' (its dtype and vocabulary); allowed: the shard itself, "
+                         f"--data {shard}"), line
+    assert not (tmp_path / "side").exists()
 
 
 def test_json_lines_file_named_json_trains_on_its_text(capsys, tmp_path):

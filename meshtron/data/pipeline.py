@@ -61,6 +61,12 @@ def source_kind(source: str | Path) -> str:
     if p.is_dir():
         return "text"
     suffix = p.suffix.lower()
+    shard = p.with_suffix("")  # NAME.bin.json -> NAME.bin
+    if p.name.lower().endswith(".bin.json") and shard.is_file():
+        # a shard's sidecar was read as JSON Lines: "invalid JSON ... at column 2" (session-52
+        # user audit)
+        raise UserError(f"data.source='{source}': the sidecar of the token shard '{shard}' "
+                        f"(its dtype and vocabulary); allowed: the shard itself, --data {shard}")
     if suffix in (".jsonl", ".json"):  # Hugging Face datasets' to_json writes JSON Lines
         return "jsonl"
     if suffix == ".bin":
