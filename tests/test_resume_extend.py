@@ -137,6 +137,22 @@ def test_extending_past_the_decays_start_is_one_line_and_writes_nothing(tmp_path
     assert "allowed: train.steps=4, --override-lr-schedule (step 5 on takes" in err, err
     assert "--init-from DIR --steps 8" in err and "Traceback" not in err, err
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    # while a live run holds the folder, that is said first (session-52 user audit: the
+    # schedule's refusal came instead); the holder claims it as a run does (train/run_lock.py)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from meshtron.train import "
+                               f"run_lock; run_lock.claim({str(run_dir)!r}); print('held', "
+                               "flush=True); sys.stdin.read()"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        code, out, err = _refused(capsys, "train", "--run-dir", str(run_dir), "--resume",
+                                  "--steps", "8")
+    finally:
+        holder.communicate("", timeout=60)
+    assert code == 2 and err.strip().splitlines() == [
+        f"meshtron train: error: train.run_dir={str(run_dir)!r}: a live run (pid {holder.pid}) "
+        "is using it; wait for it to end or stop it, or choose another --run-dir"], err
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
     code, _, err = _refused(capsys, "train", "--run-dir", str(run_dir), "--override-lr-schedule")
     assert code == 2 and "--override-lr-schedule: allowed only with --resume" in err, err
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before

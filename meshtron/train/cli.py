@@ -443,6 +443,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from meshtron.train.replica_run import refuse_resume
 
         refuse_resume(cfg.train.run_dir)  # before any other check of the folder
+        _refuse_live_run(args, cfg.train.run_dir)
     if cfg.train.replica_ft:
         from meshtron.train.replica import check_replica_ft
         from meshtron.train.replica_run import run_replica_ft
@@ -455,6 +456,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         return run_replica_ft(TrainJob(cfg=cfg, overwrite=args.overwrite),
                               max_restarts=max(args.max_restarts or 0, 0))
     return run_job(job_from_args(args))
+
+
+def _refuse_live_run(args: argparse.Namespace, run_dir: str) -> None:
+    """A --resume typed into a folder a live run holds: said first, before its settings are
+    compared with the checkpoint (a `--steps` of another schedule was refused for its learning
+    rate while the run still trained there: session-52 user audit). Only for the command a user
+    types: a rank (of meshtron's launcher, an elastic round or an outside torchrun) runs
+    beside the run's own holders of the lock."""
+    from meshtron.launch import current_world
+    from meshtron.train import run_lock
+
+    if getattr(args, "elastic_rank", None) or current_world().source != "single":
+        return
+    run_lock.check_free(run_dir)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
