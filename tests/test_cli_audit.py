@@ -282,3 +282,49 @@ def test_init_from_a_run_folder_names_it_and_the_ways_on(tmp_path):
     assert len(err.splitlines()) == 1 and "a meshtron run folder" in err, err
     assert "meshtron export" in err and "--resume" in err and "model_type" not in err, err
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("folder, needle", [
+    ("missing", "not a folder"),
+    ("empty", "holds no config.json"),
+    ("empty/weights.safetensors", "not a folder"),
+])
+def test_init_from_without_a_model_names_init_from(capsys, tmp_path, folder, needle):
+    """Session-52 user audit: `meshtron train --init-from out/nothere --steps 3` (no --model:
+    the model comes from the folder's config.json) was refused as "model='out/nothere': file
+    does not exist", naming a field the user never gave."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "weights.safetensors").write_bytes(b"")
+    path = str(tmp_path / folder)
+    code = main(["train", "--init-from", path, "--steps", "1", "--run-dir",
+                 str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"train.init_from={path!r}: {needle}" in err and "model=" not in err, err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("name, what", [("missing", "does not exist"), ("file", "is a file")])
+def test_export_of_a_folder_that_is_not_there_says_so(capsys, tmp_path, name, what):
+    """Session-52 user audit: `meshtron export runs/nothere --to out/x` said "no run.toml or
+    config.json (not a meshtron run folder)" about a folder that does not exist."""
+    (tmp_path / "file").write_text("{}")
+    run, out = str(tmp_path / name), tmp_path / "out"
+    assert main(["export", run, "--to", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [f"meshtron export: error: export RUN_DIR={run!r}: {what}; give "
+                                "a meshtron run folder"], err
+    assert not out.exists()
+
+
+def test_resume_with_overwrite_is_refused(capsys, tmp_path):
+    """Session-52 user audit: `meshtron train --run-dir R --resume --overwrite` resumed, as if
+    --overwrite were not there; one of them is what the user meant."""
+    run = str(tmp_path / "r")
+    assert main(["train", "--model", "debug", "--steps", "1", "--run-dir", run, "--resume",
+                 "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [
+        f"meshtron train: error: --resume with --overwrite: allowed one of them (--resume "
+        f"continues the run in train.run_dir={run!r}, --overwrite replaces it with a new run)"]
+    assert not (tmp_path / "r").exists()

@@ -199,6 +199,19 @@ def test_tokenize_writes_a_shard_that_train_reads(capsys, tmp_path):
     assert "not UTF-8 text (UTF-16?)" in line and not (tmp_path / "u.bin").exists(), line
     line = refused(capsys, "tokenize", "--data", shard, "--out", tmp_path / "again.bin")
     assert "a token shard holds ids, not documents" in line, line
+    # session-52 user audit: asked for "the tokenizer file it was written with" (there is none)
+    line = refused(capsys, *TRAIN, "--data", shard, "--tokenizer", "bpe", "--run-dir",
+                   tmp_path / "bpe")
+    assert line.endswith(f"error: data.tokenizer='bpe': shard '{shard}' was written with the "
+                         "byte tokenizer (259 ids); allowed: --tokenizer byte (the default: "
+                         "drop --tokenizer)"), line
+    assert not (tmp_path / "bpe").exists()
+    # the sidecar given for the shard was read as JSON Lines ("invalid JSON ... column 2")
+    line = refused(capsys, *TRAIN, "--data", f"{shard}.json", "--run-dir", tmp_path / "side")
+    assert line.endswith(f"error: data.source='{shard}.json': the sidecar of the token shard "
+                         f"'{shard}' (its dtype and vocabulary); allowed: the shard itself, "
+                         f"--data {shard}"), line
+    assert not (tmp_path / "side").exists()
 
 
 def test_json_lines_file_named_json_trains_on_its_text(capsys, tmp_path):

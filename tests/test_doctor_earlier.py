@@ -9,6 +9,8 @@
 - The archive itself on real files: the next free N, renames only, nothing kept when nothing
   was left, a later resume never overwriting an earlier archive.
 - `--earlier N` that is not there: one line, exit 2.
+- A one-process `--overwrite` over that folder takes its trace and earlier launches with it:
+  the doctor says it is a one-process run instead of judging the old 2-rank run.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from testkit.procs import rank_pids, records
 TRAIN = [sys.executable, "-m", "meshtron", "train", "--nproc", "2", "--plan", "dp=2",
          "--model", "debug", "--seq-len", "32", "--global-batch", "8", "--eval-every", "0",
          "--steps", "200"]
+ONE_PROCESS = [sys.executable, "-m", "meshtron", "train", "--model", "debug", "--seq-len", "32",
+               "--global-batch", "8", "--eval-every", "0", "--steps", "2"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
@@ -88,6 +92,22 @@ def test_resume_keeps_the_killed_launch_for_doctor(tmp_path):
     assert f"the last complete checkpoint is step {resume['resumed_from_step']}" \
         in first["verdict"], first
     assert first["verdict"] == json.loads(before.stdout)["verdict"]
+
+    # A one-process run started over the folder (--overwrite) replaces that run whole: its
+    # trace and earlier launches went with it, where the doctor judged the old 2-rank run as
+    # this one ("exit at step 200", exit 0; session-52 user audit).
+    fresh = subprocess.run([*ONE_PROCESS, "--run-dir", str(run_dir), "--overwrite"],
+                           capture_output=True, text=True, env=ENV, timeout=300)
+    assert fresh.returncode == 0, fresh.stdout[-3000:] + fresh.stderr[-3000:]
+    assert not earlier.root(run_dir).exists()
+    assert not any((run_dir / "trace").glob("rank_*")) and not (run_dir / "attempts").exists()
+    after = _doctor(str(run_dir))
+    assert after.returncode == 2 and not after.stdout, after.stdout + after.stderr
+    assert after.stderr.strip().splitlines() == [
+        f"meshtron doctor: error: RUN_DIR={str(run_dir)!r}: a one-process run (trained without "
+        "--nproc or --plan): it has no ranks and records no collectives, so there is no trace "
+        "to read; its metrics are in metrics.jsonl (`meshtron train --nproc N` runs ranks the "
+        "doctor can read)"], after.stderr
 
 
 def _launch_folders(run_dir: Path, tag: str) -> None:

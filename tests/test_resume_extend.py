@@ -16,6 +16,7 @@ module (`constant7`) and read by the extension test and, copied, by the --overwr
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -136,6 +137,22 @@ def test_extending_past_the_decays_start_is_one_line_and_writes_nothing(tmp_path
     assert "allowed: train.steps=4, --override-lr-schedule (step 5 on takes" in err, err
     assert "--init-from DIR --steps 8" in err and "Traceback" not in err, err
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    # while a live run holds the folder, that is said first (session-52 user audit: the
+    # schedule's refusal came instead); the holder claims it as a run does (train/run_lock.py)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from meshtron.train import "
+                               f"run_lock; run_lock.claim({str(run_dir)!r}); print('held', "
+                               "flush=True); sys.stdin.read()"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        code, out, err = _refused(capsys, "train", "--run-dir", str(run_dir), "--resume",
+                                  "--steps", "8")
+    finally:
+        holder.communicate("", timeout=60)
+    assert code == 2 and err.strip().splitlines() == [
+        f"meshtron train: error: train.run_dir={str(run_dir)!r}: a live run (pid {holder.pid}) "
+        "is using it; wait for it to end or stop it, or choose another --run-dir"], err
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
     code, _, err = _refused(capsys, "train", "--run-dir", str(run_dir), "--override-lr-schedule")
     assert code == 2 and "--override-lr-schedule: allowed only with --resume" in err, err
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
@@ -170,3 +187,23 @@ def test_overwrite_draws_a_new_run_id(tmp_path, constant7):
         assert config["train"]["run_id"] == ids[-1]  # the folder agrees with itself
     assert tomllib.loads((run_dir / "run.toml").read_text())["train"]["steps"] == 1
     assert len(set(ids)) == 2 and all(len(i) == 32 for i in ids), ids
+
+
+def test_a_refused_extension_shows_rates_that_differ(tmp_path, capsys):
+    """Session-52 user audit: a run resumed with another --steps just after its warm-up was
+    refused because "the learning rate of its step 22 was 0.002 under train.steps=400 and 0.002
+    under train.steps=150": the rates differed past the 4 digits shown. Here a cosine that decays
+    by 1e-4 of the peak (the same closeness, 4 steps trained in this process)."""
+    run_dir = tmp_path / "flat"
+    assert main(["train", *RUN, "--warmup-steps", "1", "--set", "optim.min_lr_ratio=0.9999",
+                 "--steps", "4", "--checkpoint-every", "4", "--run-dir", str(run_dir)]) == 0
+    code, out, err = _refused(capsys, "train", "--run-dir", str(run_dir), "--resume", "--steps",
+                              "8")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)
+    optim = OptimConfig(warmup_steps=1, min_lr_ratio=0.9999)
+    lr3 = [2e-3 * optim.lr_factor(2, n) for n in (4, 8)]
+    assert f"{lr3[0]:.4g}" == f"{lr3[1]:.4g}"  # what the line showed: the same number twice
+    shown = re.search(r"its step 3 was (\S+) under train.steps=4 and (\S+) under "
+                      r"train.steps=8", err)
+    assert shown and shown[1] != shown[2], err
+    assert [float(x) for x in shown.groups()] == pytest.approx(lr3, rel=1e-6), (shown, lr3)

@@ -54,8 +54,19 @@ def _change(meta: dict[str, Any], cfg: Any) -> tuple[int, int, int] | None:
 
 def _rates(cfg: Any, step: int, was: int, steps: int) -> str:
     lr, optim = cfg.optim.lr, cfg.optim
-    return (f"{lr * optim.lr_factor(step, was):.4g} under train.steps={was} and "
-            f"{lr * optim.lr_factor(step, steps):.4g} under train.steps={steps}")
+    old, new = _apart(lr * optim.lr_factor(step, was), lr * optim.lr_factor(step, steps))
+    return f"{old} under train.steps={was} and {new} under train.steps={steps}"
+
+
+def _apart(a: float, b: float) -> tuple[str, str]:
+    """`a` and `b` with 4 significant digits, or as many more as tell them apart: a step just
+    after the warm-up read "0.002 under train.steps=400 and 0.002 under train.steps=150" in the
+    refusal that said they differ (session-52 user audit)."""
+    for digits in range(4, 18):
+        shown = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if shown[0] != shown[1]:
+            return shown
+    return shown
 
 
 def check_steps(meta: dict[str, Any], cfg: Any, folder: Path, lr_override: bool = False) -> None:

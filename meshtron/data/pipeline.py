@@ -61,6 +61,12 @@ def source_kind(source: str | Path) -> str:
     if p.is_dir():
         return "text"
     suffix = p.suffix.lower()
+    shard = p.with_suffix("")  # NAME.bin.json -> NAME.bin
+    if p.name.lower().endswith(".bin.json") and shard.is_file():
+        # a shard's sidecar was read as JSON Lines: "invalid JSON ... at column 2" (session-52
+        # user audit)
+        raise UserError(f"data.source='{source}': the sidecar of the token shard '{shard}' "
+                        f"(its dtype and vocabulary); allowed: the shard itself, --data {shard}")
     if suffix in (".jsonl", ".json"):  # Hugging Face datasets' to_json writes JSON Lines
         return "jsonl"
     if suffix == ".bin":
@@ -169,6 +175,7 @@ def _shard_corpus(path: Path, tokenizer: str, bpe_vocab: int | None,
     else:
         if tokenizer_path is None or not Path(tokenizer_path).is_file():
             # (`tokenizer_path` is build_data's argument; a run's is RUN_DIR/tokenizer.)
+            _refuse_bpe_on_byte_shard(path, info)
             raise UserError(
                 f"data.tokenizer='bpe': shard '{path}' needs the tokenizer file it was "
                 "written with, not a newly trained one; give it as --tokenizer FILE.json")
@@ -190,6 +197,18 @@ def _shard_corpus(path: Path, tokenizer: str, bpe_vocab: int | None,
     corpus = TokenCorpus(train, held, shard_vocab, str(path), fingerprint,
                          extra={"cached": False})
     return corpus, tok
+
+
+def _refuse_bpe_on_byte_shard(path: Path, info: dict[str, Any]) -> None:
+    """`--tokenizer bpe` on a shard the byte tokenizer wrote (`meshtron tokenize`'s default):
+    the refusal asked for "the tokenizer file it was written with", which does not exist
+    (session-52 user audit); it names the byte tokenizer instead."""
+    written = (info.get("meta") or {}).get("tokenizer")
+    if written == ByteTokenizer().fingerprint or (
+            written is None and int(info["vocab_size"]) == BYTE_VOCAB):
+        raise UserError(f"data.tokenizer='bpe': shard '{path}' was written with the byte "
+                        f"tokenizer ({BYTE_VOCAB} ids); allowed: --tokenizer byte (the "
+                        "default: drop --tokenizer)")
 
 
 class Data:

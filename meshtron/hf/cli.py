@@ -25,6 +25,9 @@ def run_config(run_dir: Path, field: str = "export RUN_DIR"):
 
     from meshtron.config import config_from_dict, load_toml
 
+    if not run_dir.is_dir():  # was "no run.toml or config.json" (session-52 user audit)
+        what = "is a file" if run_dir.exists() else "does not exist"
+        raise UserError(f"{field}={str(run_dir)!r}: {what}; give a meshtron run folder")
     if (run_dir / "run.toml").is_file():
         return config_from_dict(load_toml(run_dir / "run.toml", field))
     path = run_dir / "config.json"

@@ -232,7 +232,9 @@ def _follow_init_from(init_from: str, doc: dict[str, Any], overrides: dict[str, 
     from meshtron.data.tokenizer import tokenizer_file
 
     _refuse_run_folder(init_from)
-    if overrides.get("model") is None and "model" not in doc:
+    takes_model = overrides.get("model") is None and "model" not in doc
+    if takes_model:
+        _refuse_missing_folder(init_from)
         overrides["model"] = init_from  # the checkpoint's config.json
     data = doc.get("data")
     given = overrides.get("data.tokenizer") is not None or (
@@ -246,6 +248,23 @@ def _follow_init_from(init_from: str, doc: dict[str, Any], overrides: dict[str, 
                         "tokenizer.model, which meshtron does not read; save its tokenizer.json "
                         "(transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)) "
                         "or give --tokenizer (byte: train these weights on byte ids)")
+
+
+def _refuse_missing_folder(init_from: str) -> None:
+    """A missing --init-from folder, or one without config.json, when the model comes from it:
+    named as `train.init_from`, where it was refused as "model='PATH': file does not exist", a
+    field the user never gave (session-52 user audit). Only then: with the model given, the
+    weights are read (and a missing folder named) only when no checkpoint is resumed."""
+    from pathlib import Path
+
+    folder = Path(init_from)
+    if not folder.is_dir():
+        raise UserError(f"train.init_from={init_from!r}: not a folder (a Hugging Face "
+                        "checkpoint folder holds config.json and *.safetensors)")
+    if not (folder / "config.json").is_file():
+        raise UserError(f"train.init_from={init_from!r}: holds no config.json (the model its "
+                        "weights are for); allowed: a Hugging Face checkpoint folder "
+                        "(config.json and *.safetensors), or the model given as --model")
 
 
 def _refuse_run_folder(init_from: str) -> None:
@@ -415,10 +434,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from meshtron.train.launch import run_job
 
     cfg = run_config(args)
+    if args.resume and args.overwrite and not args.launched_rank:
+        # both were taken as --resume, silently (session-52 user audit)
+        raise UserError(f"--resume with --overwrite: allowed one of them (--resume continues "
+                        f"the run in train.run_dir={cfg.train.run_dir!r}, --overwrite replaces "
+                        "it with a new run)")
     if args.resume and not args.launched_rank:
         from meshtron.train.replica_run import refuse_resume
 
         refuse_resume(cfg.train.run_dir)  # before any other check of the folder
+        _refuse_live_run(args, cfg.train.run_dir)
     if cfg.train.replica_ft:
         from meshtron.train.replica import check_replica_ft
         from meshtron.train.replica_run import run_replica_ft
@@ -431,6 +456,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         return run_replica_ft(TrainJob(cfg=cfg, overwrite=args.overwrite),
                               max_restarts=max(args.max_restarts or 0, 0))
     return run_job(job_from_args(args))
+
+
+def _refuse_live_run(args: argparse.Namespace, run_dir: str) -> None:
+    """A --resume typed into a folder a live run holds: said first, before its settings are
+    compared with the checkpoint (a `--steps` of another schedule was refused for its learning
+    rate while the run still trained there: session-52 user audit). Only for the command a user
+    types: a rank (of meshtron's launcher, an elastic round or an outside torchrun) runs
+    beside the run's own holders of the lock."""
+    from meshtron.launch import current_world
+    from meshtron.train import run_lock
+
+    if getattr(args, "elastic_rank", None) or current_world().source != "single":
+        return
+    run_lock.check_free(run_dir)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -61,6 +61,10 @@ def train_here(job: TrainJob) -> int:
     say_world(job.checkpoint, job.cfg, 1)
     claim_run_dir(job, plan=None)
     warn(job)  # once the input is known to be good
+    # a multi-rank run's trace, failure notes and earlier launches in this folder: kept (a
+    # --resume) or cleared as on the ranks' path; left, `meshtron doctor` judged that old run
+    # as this one (session-52 user audit: an --overwrite-n 2-rank run read "exit at step 400")
+    keep_or_clear_evidence(job, Path(job.cfg.train.run_dir))
     write_single_process_files(job)
     try:
         result = train(job.cfg, overwrite=job.overwrite, data=data, checkpoint=job.checkpoint)
