@@ -64,7 +64,7 @@ def train_here(job: TrainJob) -> int:
     # a multi-rank run's trace, failure notes and earlier launches in this folder: kept (a
     # --resume) or cleared as on the ranks' path; left, `meshtron doctor` judged that old run
     # as this one (session-52 user audit: an --overwrite-n 2-rank run read "exit at step 400")
-    keep_or_clear_evidence(job, Path(job.cfg.train.run_dir))
+    earlier.keep_or_clear(job.cfg.train.run_dir, bool(job.checkpoint.resume))
     write_single_process_files(job)
     try:
         result = train(job.cfg, overwrite=job.overwrite, data=data, checkpoint=job.checkpoint)
