@@ -93,3 +93,27 @@ def test_a_pinned_interleaved_layout_of_many_micro_batches_answers_in_seconds(mo
                  "interleaved:5", "--micro-batch", "1", "--json"]) == 0
     assert '"step_time_s"' in capsys.readouterr().out
     assert max(walked) == 1024 and sum(walked) < 150_000, (len(walked), sum(walked))
+
+
+def test_a_multimodal_config_points_at_its_text_model(capsys, tmp_path):
+    """google/gemma-3-27b-pt's config.json is model_type 'gemma3' with the language model under
+    text_config ('gemma3_text', a type meshtron reads): it was refused as an unknown type, with
+    the list of supported types (gemma3_text among them) and no word of text_config."""
+    import json
+
+    text = {"model_type": "gemma3_text", "hidden_size": 5376, "intermediate_size": 21504,
+            "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+            "num_hidden_layers": 62, "query_pre_attn_scalar": 168, "sliding_window": 1024,
+            "vocab_size": 262208}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
+                                "model_type": "gemma3", "text_config": text,
+                                "vision_config": {"model_type": "siglip_vision_model"}}))
+    line = refused(capsys, "plan", "--model", path, "--cluster", "dgx-h100:8")
+    assert "model_type='gemma3': a multimodal model" in line and "text_config" in line, line
+    alone = tmp_path / "text" / "config.json"
+    alone.parent.mkdir()
+    alone.write_text(json.dumps(text))  # what the line says to do: planned
+    assert main(["plan", "--model", str(alone), "--cluster", "dgx-h100:8", "--global-batch",
+                 "512", "--seq-len", "8192", "--top", "1"]) == 0
+    assert "27B params" in capsys.readouterr().out
