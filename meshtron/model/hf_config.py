@@ -195,9 +195,22 @@ def _refuse_near_misses(cfg: dict[str, Any], looked_up: set[str]) -> None:
                             "is absent: rename the key)")
 
 
+def _refuse_multimodal(cfg: dict[str, Any], mtype: Any) -> None:
+    """A vision-language config.json (transformers' composite configs: gemma3, llama4,
+    mistral3 hold the language model under `text_config`) whose text model meshtron reads:
+    say so, rather than list the supported types as if the model were unknown. Not read in
+    its place: its checkpoint's names and its vision tower are not the text model's."""
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and text.get("model_type") in _HF_TYPES:
+        raise UserError(f"config.json model_type={mtype!r}: a multimodal model; its "
+                        f"text_config (model_type {text['model_type']!r}) is one meshtron "
+                        "reads: save that object as a config.json of its own and give that")
+
+
 def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
     mtype = cfg.get("model_type")
     if mtype not in _HF_TYPES:
+        _refuse_multimodal(cfg, mtype)
         raise UserError(
             f"config.json model_type={mtype!r}: supported model types are {', '.join(_HF_TYPES)}")
 

@@ -113,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _fill_from_plan(args: argparse.Namespace):
     """With --step --plan, what the flags leave out comes from the plan file (as `meshtron
-    cost --plan`); a --model or --cluster that contradicts it is refused. Otherwise --model,
-    --global-batch and --seq-len are required. The plan read, or None."""
+    cost --plan`); a --model, --cluster, --global-batch or --seq-len that contradicts it is
+    refused. Otherwise --model, --global-batch and --seq-len are required. The plan read, or None."""
     plan = None
     if args.plan and not args.step:
         raise UserError(f"plan={args.plan!r}: applies to --step only (a sweep re-plans at "
@@ -127,9 +127,9 @@ def _fill_from_plan(args: argparse.Namespace):
             raise UserError(f"plan.pipeline_runs={plan.pipeline_runs}: the step simulator "
                             "walks one pipeline schedule per step; price several schedule "
                             "calls with `meshtron plan` or `meshtron cost`")
-        take_from_plan(args, plan, args.plan)
-        args.global_batch = args.global_batch or plan.global_batch
-        args.seq_len = args.seq_len or plan.seq_len
+        # batch and length too: one the file does not hold would simulate another run
+        take_from_plan(args, plan, args.plan, flags=("model", "cluster", "global_batch",
+                                                     "seq_len"))
     for flag in ("model", "global_batch", "seq_len"):
         if getattr(args, flag) is None:
             name = flag.replace("_", "-")

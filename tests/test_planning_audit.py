@@ -1,0 +1,119 @@
+"""Defects a user's audit of the planning commands found (session 52), each run as the user
+typed it, through `meshtron.cli.main` in this process (no command here trains): before the fix
+each answered without complaint, or with a traceback, what the test now expects."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtron.cli import main
+from testkit.plan_cli import refused
+
+SMALL = ["--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch", "64",
+         "--seq-len", "4096"]
+
+
+@pytest.fixture
+def saved(tmp_path, capsys) -> str:
+    """`meshtron plan ... --save plan.toml` for Llama-3-8B on one DGX H100 node."""
+    path = tmp_path / "plan.toml"
+    assert main(["plan", *SMALL, "--top", "1", "--save", str(path)]) == 0
+    capsys.readouterr()
+    return str(path)
+
+
+@pytest.mark.parametrize("command", [["cost"], ["simulate", "--step"]])
+@pytest.mark.parametrize("flag, value, saved_as", [("--global-batch", "32", "global_batch 64"),
+                                                    ("--seq-len", "2048", "seq_len 4096")])
+def test_a_batch_or_length_the_saved_plan_does_not_hold_is_refused(capsys, saved, command, flag,
+                                                                    value, saved_as):
+    """`cost --plan plan.toml --global-batch 32` priced a 32-sequence step under the plan's
+    name (exit 0), and blamed the gap to the file's [predicted] on a missing --framework
+    ("saved before plans recorded their stack?"); `rehearse --plan` refuses the same flag."""
+    line = refused(capsys, *command, "--plan", saved, flag, value)
+    assert f"{flag[2:]}={int(value)!r}: contradicts the plan" in line and saved_as in line, line
+
+
+@pytest.mark.parametrize("command", [["cost"], ["simulate", "--step"]])
+def test_restating_the_saved_batch_and_length_is_accepted(capsys, saved, command):
+    assert main([*command, "--plan", saved, "--global-batch", "64", "--seq-len", "4096"]) == 0
+    out, err = capsys.readouterr()
+    assert "Plan: " in out and "re-priced" not in err, err
+
+
+def _counting_walks(monkeypatch) -> list[int]:
+    """The micro-batch count of every schedule walk the planner runs from now on (a walk of n
+    micro-batches costs O(n): their sum is the walks' cost)."""
+    from meshtron.planner import pipeline_zb
+
+    walked: list[int] = []
+    real = pipeline_zb.walk
+
+    def walk(p, v, m, *args, **kwargs):
+        walked.append(m)
+        return real(p, v, m, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline_zb, "walk", walk)
+    for memo in (pipeline_zb._interleaved_walk, pipeline_zb._zb_walk, pipeline_zb._program,
+                 pipeline_zb.interleaved_bubble, pipeline_zb.stage_bubble,
+                 pipeline_zb.chunk_bubble):
+        memo.cache_clear()
+    return walked
+
+
+def test_an_unsettled_interleaved_idle_costs_a_few_walks_of_the_step(monkeypatch):
+    """Llama-3-70B's chunks on pp=8 x interleaved:3 (the embedding on stage 0, the head on the
+    last), 1024 micro-batches: the idle never settles, and the walks of 2p, 3p, ... p more at a
+    time up to m cost 66,040 walked micro-batches (quadratic in m); doubling between checks
+    costs a few walks of m, for the same answer as the walk of all m."""
+    from meshtron.planner import pipeline_zb
+
+    walked = _counting_walks(monkeypatch)
+    p, v, m = 8, 3, 1024
+    layers = [2, 4, 4, 4, 4, 4, 4, 3, 2, 4, 4, 4, 4, 4, 4, 3, 1, 3, 3, 3, 3, 3, 3, 3]
+    f = tuple(n * 0.0527 + (0.0008 if s == 0 else 0.0) + (0.2285 if s == p * v - 1 else 0.0)
+              for s, n in enumerate(layers))
+    b = tuple(2.084 * x for x in f)
+    got = pipeline_zb.interleaved_bubble(m, f, b, p)
+    assert sum(walked) <= 4 * m, walked
+    worst = max(sum(f[s] + b[s] for s in range(r, p * v, p)) for r in range(p))
+    full = pipeline_zb.walk(p, v, m, list(f), list(b), [0.0] * (p * v),
+                            schedule="interleaved") - m * worst
+    assert full > 100 and got == pytest.approx(full, rel=1e-12)
+
+
+def test_a_pinned_interleaved_layout_of_many_micro_batches_answers_in_seconds(monkeypatch,
+                                                                              capsys):
+    """`meshtron plan --model llama3-70b --cluster dgx-h100:2 --global-batch 1024 --seq-len
+    8192` ran for minutes (16 GPUs, up to 1024 micro-batches per step); this pinned layout of
+    it took 48 s on a loaded 2-core machine (694,680 walked micro-batches), 4 s after."""
+    walked = _counting_walks(monkeypatch)
+    assert main(["plan", "--model", "llama3-70b", "--cluster", "dgx-h100:2", "--global-batch",
+                 "1024", "--seq-len", "8192", "--layout", "tp=2,pp=8,dp=1", "--schedule",
+                 "interleaved:5", "--micro-batch", "1", "--json"]) == 0
+    assert '"step_time_s"' in capsys.readouterr().out
+    assert max(walked) == 1024 and sum(walked) < 150_000, (len(walked), sum(walked))
+
+
+def test_a_multimodal_config_points_at_its_text_model(capsys, tmp_path):
+    """google/gemma-3-27b-pt's config.json is model_type 'gemma3' with the language model under
+    text_config ('gemma3_text', a type meshtron reads): it was refused as an unknown type, with
+    the list of supported types (gemma3_text among them) and no word of text_config."""
+    import json
+
+    text = {"model_type": "gemma3_text", "hidden_size": 5376, "intermediate_size": 21504,
+            "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+            "num_hidden_layers": 62, "query_pre_attn_scalar": 168, "sliding_window": 1024,
+            "vocab_size": 262208}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
+                                "model_type": "gemma3", "text_config": text,
+                                "vision_config": {"model_type": "siglip_vision_model"}}))
+    line = refused(capsys, "plan", "--model", path, "--cluster", "dgx-h100:8")
+    assert "model_type='gemma3': a multimodal model" in line and "text_config" in line, line
+    alone = tmp_path / "text" / "config.json"
+    alone.parent.mkdir()
+    alone.write_text(json.dumps(text))  # what the line says to do: planned
+    assert main(["plan", "--model", str(alone), "--cluster", "dgx-h100:8", "--global-batch",
+                 "512", "--seq-len", "8192", "--top", "1"]) == 0
+    assert "27B params" in capsys.readouterr().out
