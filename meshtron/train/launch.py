@@ -158,15 +158,20 @@ def failed_line(nproc: int, code: int) -> str:
 
     from meshtron.checkpoint import EXIT_STORAGE
 
-    who = "the rank" if nproc == 1 else f"the {nproc} ranks"
     if code > 128 and code - 128 in {int(sig) for sig in signal.Signals}:
+        who = "the rank" if nproc == 1 else f"the {nproc} ranks"  # all of them: the signal's
         name = signal.Signals(code - 128).name
         return (f"meshtron train: {who} stopped by {name} without a committed checkpoint "
                 f"(exit code {code}); their output is above")
+    # Not "the N ranks failed": one rank's failure ends the run, and torchrun stops the others
+    # (its per-rank lines above say which rank failed and which were stopped).
+    run = "the run" if nproc == 1 else f"the run on {nproc} ranks"
+    above = ("its output is above" if nproc == 1
+             else "the lines above say which rank failed and why")
     if code == EXIT_STORAGE:
-        return (f"meshtron train: {who} failed on a storage error (exit code {code}; not "
-                "restarted: it would recur); their output is above")
-    return f"meshtron train: {who} failed (exit code {code}); their output is above"
+        return (f"meshtron train: {run} failed on a storage error (exit code {code}; not "
+                f"restarted: it would recur); {above}")
+    return f"meshtron train: {run} failed (exit code {code}); {above}"
 
 
 def frozen_note(run_dir: Path, code: int) -> str:
