@@ -22,7 +22,12 @@ def test_a_plan_for_another_model_is_named_before_its_rank_count(capsys, tmp_pat
                    "--run-dir", run)
     assert "plan.model='llama3-70b'" in line and "llama3-8b" in line, line
     assert not run.exists()
-    # The plan's own model: the rank count is then the first thing wrong on this machine.
+    # The plan's own model: the rank count is then the first thing wrong on this machine,
+    # named as the plan's (the user typed no --nproc; it read "--nproc=64: allowed 1..32").
     line = refused(capsys, "train", "--plan", plan, "--steps", "1", "--run-dir", run)
-    assert "--nproc=64" in line, line
+    assert f"error: --plan {plan}: the plan is for 64 ranks (plan.gpus)" in line, line
+    assert "--nproc" not in line, line
     assert not run.exists()
+    line = refused(capsys, "train", "--plan", plan, "--nproc", "64", "--steps", "1",
+                   "--run-dir", run)  # typed: named as typed
+    assert "error: --nproc=64: allowed 1.." in line, line

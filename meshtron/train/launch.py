@@ -96,8 +96,8 @@ def launch_ranks(job: TrainJob) -> int:
     from meshtron.data.documents import check_document_layout
     from meshtron.launch import check_nproc
     from meshtron.train.run_data import build_run_data
-    from meshtron.train.planning import (check_saved_plan, cluster_choice, local_world_size,
-                                         resolve_run_plan)
+    from meshtron.train.planning import (check_local_plan_size, check_saved_plan,
+                                         cluster_choice, local_world_size, resolve_run_plan)
 
     from meshtron.checkpoint import EXIT_PREEMPTED
     from meshtron.checkpoint.store import was_preempted
@@ -105,6 +105,7 @@ def launch_ranks(job: TrainJob) -> int:
     request = job.parallel or ParallelRequest()
     check_saved_plan(job.cfg, request)
     nproc = local_world_size(request)
+    check_local_plan_size(request, nproc)
     check_nproc(nproc)
     run_lock.check_free(job.cfg.train.run_dir)
     outputs.check_run_dir(job.cfg, job.overwrite or job.checkpoint.resume)

@@ -85,6 +85,20 @@ def local_world_size(request: ParallelRequest) -> int:
     return 1
 
 
+def check_local_plan_size(request: ParallelRequest, nproc: int) -> None:
+    """A saved plan given without --nproc starts its own size here (`local_world_size`): one
+    larger than this machine is named as the plan's, not as an --nproc the user never typed
+    (a user audit: `train --plan p70.toml` said '--nproc=128: allowed 1..32')."""
+    from meshtron.launch import max_local_ranks
+
+    limit = max_local_ranks()
+    if request.nproc is None and is_plan_file(request.plan) and nproc > limit:
+        raise UserError(f"--plan {request.plan}: the plan is for {nproc} ranks (plan.gpus) and "
+                        f"this machine starts at most {limit} local ranks; run it on its "
+                        "cluster (torchrun or srun starting `meshtron train --plan` on every "
+                        "node) or plan for this machine")
+
+
 def check_saved_plan(cfg: RunConfig, request: ParallelRequest) -> None:
     """A saved plan (--plan FILE) checked against this run's model, batch, sequence and flags
     before its size starts anything: a plan for another model is named as that, not as a rank
