@@ -285,6 +285,9 @@ def test_price_file_overrides_and_numbers_only_cluster(cost_cli, tmp_path):
     rc, _, err = cost_cli("--model", "llama2-7b", "--cluster", str(cluster), "--global-batch",
                           "256", "--seq-len", "4096")
     assert rc == 2 and "--price-on-demand" in err and err.count("\n") == 1
+    # the cluster named, and what cluster.gpu allows (it read "cluster.gpu=None: ...")
+    assert "cluster 'n' names no catalogue GPU (cluster.gpu: one of " in err, err  # n.toml
+    assert "H100-SXM5-80GB" in err and "None" not in err, err
 
 
 def test_cost_of_a_saved_plan_and_a_fixed_interval(cost_cli, tmp_path):

@@ -110,9 +110,10 @@ def economics_for(cluster: ClusterSpec, on_demand: float | None = None,
         fields["system_w_per_gpu"] = fields["tdp_w"]
     missing = [k for k in ("on_demand", "tdp_w") if k not in fields]
     if missing:
-        flag = {"on_demand": "--price-on-demand", "tdp_w": "--gpu-watts"}
-        raise UserError(f"cluster.gpu=None: a cluster described by numbers has no catalogue "
-                        f"price or power; give {', '.join(flag[k] for k in missing)}")
+        flag = {"on_demand": "--price-on-demand USD/GPU-hour", "tdp_w": "--gpu-watts W"}
+        raise UserError(f"cluster {cluster.name!r} names no catalogue GPU (cluster.gpu: one of "
+                        f"{', '.join(DEFAULTS)}), so it has no catalogue price or power; give "
+                        f"{' and '.join(flag[k] for k in missing)}")
     return GpuEconomics(**fields)
 
 
