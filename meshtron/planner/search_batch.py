@@ -56,7 +56,7 @@ def batch_advice(batch: int, reason: str, refused: list[Mapping[str, Any]],
     least, knobs = found
     where = ", ".join(f"{n}={knobs[n]}" for n in ("tp", "cp", "pp", "dp")
                       if n != "cp" or (knobs.get("cp") or 1) > 1)
-    if not reason.startswith("plan.global_batch="):  # a fixed micro-batch's or a schedule's
+    if "must be divisible by plan.dp=" not in reason:  # a micro-batch's or a schedule's count
         return (f"{reason}; the smallest global batch one of these layouts takes is {least} "
                 f"({where})")
     return (f"plan.global_batch={batch} (the global batch, sequences per step): must be "
