@@ -4,6 +4,9 @@ each answered without complaint, or with a traceback, what the test now expects.
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from meshtron.cli import main
@@ -117,3 +120,68 @@ def test_a_multimodal_config_points_at_its_text_model(capsys, tmp_path):
     assert main(["plan", "--model", str(alone), "--cluster", "dgx-h100:8", "--global-batch",
                  "512", "--seq-len", "8192", "--top", "1"]) == 0
     assert "27B params" in capsys.readouterr().out
+
+
+def test_a_batch_no_layout_takes_names_the_smallest_one_that_runs(capsys):
+    """`plan --global-batch 8` on 4096 GPUs advised, for 3D layouts, "use a multiple of 1024":
+    the dp of the first layout tried (pp=2), while pp=32 leaves dp=16. The advice is now the
+    smallest global batch a layout of each family takes, and that batch runs there."""
+    line = refused(capsys, "plan", "--model", "llama3-8b", "--cluster", "dgx-h100:512",
+                   "--global-batch", "8")
+    assert "use a multiple of 1024" not in line, line
+    notes = dict(part.split(" layouts left out: ", 1) for part in re.split(
+        r"; (?=[^;]* layouts left out: )", line.split("runs: ", 1)[1]))
+    smallest = {"3D: tensor x pipeline x data": "16 (tp=8, pp=32, dp=16: the smallest",
+                "pipeline + data parallel (tp=1)": "128 (tp=1, pp=32, dp=128: the smallest",
+                "tensor + data parallel (pp=1)": "512 (tp=8, pp=1, dp=512: the smallest",
+                "pure data parallel / ZeRO (tp=1, pp=1)": "4096"}  # one layout: its own dp
+    for family, advice in smallest.items():
+        assert f"use a multiple of {advice}" in notes[family], (family, line)
+    assert "plan.dp (16 to 1024 in these layouts)" in notes["3D: tensor x pipeline x data"]
+    # the advice holds: that batch on that layout is priced (gpipe: 1F1B would need 32
+    # micro-batches of one sequence per step)
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:512", "--global-batch",
+                 "16", "--layout", "tp=8,pp=32,dp=16", "--schedule", "gpipe", "--top", "1"]) == 0
+
+
+def _tflops_cells(out: str) -> list[str]:
+    """The 'TFLOP/s mdl/hw' cells of `plan --wide`'s table (the third last column)."""
+    rows = [line.split() for line in out.splitlines() if line[:2] in ("1 ", "2 ", "3 ")]
+    return [row[-3] for row in rows if "/" in row[-3]]
+
+
+def test_a_cpu_clusters_tflops_are_not_cut_to_zero(capsys):
+    """`plan --wide` on a CPU cluster printed TFLOP/s mdl/hw as '0/0' (0.05 rounded to a whole
+    number); GPU figures keep their whole numbers."""
+    argv = ["plan", "--model", "tiny", "--cluster", "nominal-cpu:2", "--global-batch", "8"]
+    assert main([*argv, "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["plans"][0]
+    assert main([*argv, "--wide"]) == 0
+    cells = _tflops_cells(capsys.readouterr().out)
+    assert cells[0] == (f"{best['model_tflops_per_gpu']:.2g}/"
+                        f"{best['hardware_tflops_per_gpu']:.2g}"), cells
+    assert all(c != "0/0" for c in cells)
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch",
+                 "64", "--seq-len", "4096", "--wide"]) == 0
+    gpu = _tflops_cells(capsys.readouterr().out)
+    assert gpu and all(re.fullmatch(r"\d{2,3}/\d{2,3}", c) for c in gpu), gpu
+
+
+def test_a_gemma3_text_config_without_vocab_size_reads_the_class_default(capsys, tmp_path):
+    """transformers' Gemma3TextConfig defaults vocab_size to 262208; a config.json of model_type
+    gemma3_text without the key was refused ("vocab_size: missing")."""
+    text = {"model_type": "gemma3_text", "hidden_size": 1152, "intermediate_size": 6912,
+            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+            "num_hidden_layers": 26, "query_pre_attn_scalar": 256, "sliding_window": 512}
+    answers = []
+    for cfg in (text, dict(text, vocab_size=262208)):
+        path = tmp_path / str(len(cfg)) / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(cfg))
+        assert main(["plan", "--model", str(path), "--cluster", "dgx-h100:1", "--global-batch",
+                     "64", "--seq-len", "4096", "--top", "1", "--json"]) == 0, \
+            capsys.readouterr().err
+        answer = json.loads(capsys.readouterr().out)
+        answer["model"].pop("name")  # the folder's name
+        answers.append((answer["model"], answer["plans"]))
+    assert answers[0] == answers[1] and answers[0][0]["vocab"] == 262208, answers[0][0]

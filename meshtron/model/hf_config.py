@@ -136,7 +136,9 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "granitemoeshared": {"max_position_embeddings": 2048},
     "olmo2": {"max_position_embeddings": 2048},
     "gemma2": {"max_position_embeddings": 8192},
-    "gemma3_text": {"max_position_embeddings": 131072},
+    # Gemma3TextConfig(vocab_size=262_208, ...) (huggingface/transformers
+    # src/transformers/models/gemma3/configuration_gemma3.py, commit 008f5c8c29)
+    "gemma3_text": {"max_position_embeddings": 131072, "vocab_size": 262208},
     "gpt_oss": {"max_position_embeddings": 131072},
     "llama4_text": {"max_position_embeddings": 4096 * 32},
 }
@@ -144,8 +146,9 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
 transformers 5.25; 4.x's the same) for keys a hand-written config.json may leave out, where
 they are not the reader's generic default: an absent key is the model transformers builds
 (LlamaConfig / MistralConfig rms_norm_eps 1e-6; MistralConfig a 4096-token window; MixtralConfig
-RoPE base 1e6; Qwen2MoeConfig one shared expert 5632 wide; each class's max_position_embeddings,
-which dynamic NTK and YaRN scale from)."""
+RoPE base 1e6; Qwen2MoeConfig one shared expert 5632 wide; Gemma3TextConfig a vocabulary of
+262208; each class's max_position_embeddings, which dynamic NTK and YaRN scale from). A key
+listed here is never "missing", even where the reader requires it of other types."""
 
 
 class _KeysRead(dict):
@@ -215,7 +218,7 @@ def _from_hf_dict(cfg: dict[str, Any], name: str) -> ModelSpec:
             f"config.json model_type={mtype!r}: supported model types are {', '.join(_HF_TYPES)}")
 
     def need(key: str) -> Any:
-        if key not in cfg:
+        if key not in cfg and key not in getattr(cfg, "defaults", {}):  # CLASS_DEFAULTS
             raise UserError(f"config.json {key}: missing (required for model_type {mtype!r})")
         return _hf_int(cfg, key, None, required=True)
 

@@ -79,6 +79,14 @@ def fmt_s(x: float) -> str:
     return f"{x:.3g}"
 
 
+def fmt_tflops(x: float) -> str:
+    """TFLOP/s per GPU: whole numbers from 1 up (a GPU's hundreds), two significant digits
+    below (a CPU device's 0.05 would print '0'); an exact zero stays '0'."""
+    if x == 0 or x >= 1:
+        return f"{x:.0f}"
+    return f"{x:.2g}"
+
+
 def fmt_days(x: float) -> str:
     if x >= 100:
         return f"{x:,.0f}"

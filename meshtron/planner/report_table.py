@@ -8,8 +8,8 @@ from __future__ import annotations
 from meshtron.planner.estimate import Estimate
 from meshtron.planner.memory_options import FRAGMENTATION, RESERVED_RATIO_HIGH
 from meshtron.planner.report_format import (
-    breakdown_line, fmt_days, fmt_s, fmt_tokens, framework_of, fmt_count, layers_per_gpu,
-    memory_line, options_line)
+    breakdown_line, fmt_days, fmt_s, fmt_tflops, fmt_tokens, framework_of, fmt_count,
+    layers_per_gpu, memory_line, options_line)
 from meshtron.planner.report_warnings import warnings
 from meshtron.planner.search import SearchResult
 from meshtron.planner.search_explain import split_text
@@ -64,7 +64,8 @@ def _table(result: SearchResult, tokens: float, wide: bool):
                       f"{mem.activations:.1f}/{mem.total:.1f}{_over(e)}")
             row[8:9] = [fmt_s(e.step_time_s), "/".join(fmt_s(x) for x in (
                 t.compute, t.tp_comm, t.pp_comm, t.dp_comm, t.bubble, t.optimizer))]
-            row += [f"{e.model_tflops_per_gpu:.0f}/{e.hardware_tflops_per_gpu:.0f}",
+            row += [f"{fmt_tflops(e.model_tflops_per_gpu)}/"
+                    f"{fmt_tflops(e.hardware_tflops_per_gpu)}",
                     f"{e.hfu * 100:.1f}%", f"{e.gpu_hours(tokens, n):,.0f}"]
         table.add_row(*row)
     return table

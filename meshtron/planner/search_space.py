@@ -27,6 +27,7 @@ from meshtron.planner.plan_rules import (compile_runtime_problem, ep_fold_proble
                                          ep_runtime_problems, least_zero, most_zero,
                                          schedule_problem, zero_limit)
 from meshtron.planner.plan_rules_stack import layout_problem, most_chunk_layers
+from meshtron.planner.search_batch import batch_advice, is_batch_reason
 from meshtron.planner.search_fixed import PinnedKnobs, SplitFallback, runs_ep
 from meshtron.planner.search_schedules import VIRTUAL_STAGES, searched_schedules
 
@@ -265,7 +266,7 @@ class SearchSpace(PinnedKnobs):
     def _valid_layouts(self) -> list[tuple[int, int, int, int, int]]:
         k, n = self.knobs, self.n
         fixed = {**k.to_dict(), **self.context}
-        out, left_out = [], {}
+        out, left_out, refused = [], {}, {}
         for tp in self.tps:
             for cp in self.cps(n // tp):
                 if (n // tp) % cp:
@@ -278,13 +279,12 @@ class SearchSpace(PinnedKnobs):
                     if k.dp and dp != k.dp:
                         continue
                     for ep in self.eps(dp, cp, tp):
-                        problems = plan_problems({**fixed, "tp": tp, "cp": cp, "pp": pp,
-                                                  "dp": dp, "ep": ep},
-                                                 n, self.model, self.runtime, self.split,
-                                                 self.engine, ep_rule=self.ep_rule,
-                                                 layout_rule=self.mem.layouts)
+                        knobs = {**fixed, "tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep}
+                        problems = self._layout_problems(knobs)
                         if problems:
                             left_out.setdefault(family(tp, pp), problems[0])
+                            if all(map(is_batch_reason, problems)):  # a batch may cure
+                                refused.setdefault(family(tp, pp), []).append(knobs)
                             continue
                         out.append((tp, cp, pp, dp, ep))
         found = {family(tp, pp) for tp, _, pp, _, _ in out}
@@ -295,10 +295,20 @@ class SearchSpace(PinnedKnobs):
                 # field the family does not vary keeps its subject ("plan.global_batch=16
                 # (...): must be divisible by plan.dp=3": without it, no subject at all)
                 why = reason.split(": ", 1)[1] if _LAYOUT_FIELD.match(reason) else reason
+                if is_batch_reason(reason) and fam in refused:
+                    # the first layout tried has the family's largest dp: name the batch
+                    # some layout of the family takes (search_batch.py)
+                    why = batch_advice(self.global_batch, reason, refused[fam],
+                                       self._layout_problems) or why
                 by_reason.setdefault(why, []).append(FAMILIES[fam])
         for why, fams in by_reason.items():
             self.notes.append(f"{' and '.join(fams)} layouts left out: {why}")
         return out
+
+    def _layout_problems(self, knobs: dict[str, Any]) -> list[str]:
+        """The validity function's reasons a layout (with the fixed knobs) cannot run here."""
+        return plan_problems(knobs, self.n, self.model, self.runtime, self.split, self.engine,
+                             ep_rule=self.ep_rule, layout_rule=self.mem.layouts)
 
     def layouts(self):
         return iter(self._layouts)
