@@ -39,7 +39,10 @@ Two rules, by what the dumps carry:
   was the wait its other threads explained, and gloo's threads had 91-99% of the other threads' CPU time; counted with
   them, the step-to-step jitter of their work took a healthy rank beside two busy loops to
   2.3% of the span (named), and a stopped rank's peer to 1.9% (the stopped rank, at 3.1%,
-  missed). Not every thread's run-queue wait: a SIGCONT wakes all of a stopped rank's threads
+  missed). Not the run's work between steps (`_run_work`: logging, evaluation, checkpoints,
+  read at the step's start): rank 0 alone writes the records and commits a checkpoint's
+  metadata, off a CPU, and its peers wait for it in the next collective, as the run asked
+  (docs/measurements.md#straggler-run-work). Not every thread's run-queue wait: a SIGCONT wakes all of a stopped rank's threads
   into the run queue (113% vs 39% of the span): subtracting it hides the straggler. A stop
   while the rank is blocked in a collective delays both ranks alike and is not seen; lateness
   outside the steps with readings (the loss logged after the last beat) counts nothing. Not
@@ -75,6 +78,12 @@ STRAGGLER_MIN_S = 0.02
 STRAGGLER_FRACTION = 0.1
 OWN_FRACTION = 0.02
 _READINGS = ("run_queue_s", "cpu_s", "other_threads_cpu_s", "blocked_s")
+_BACKGROUND = ("transport_cpu_s", "checkpoint_threads_cpu_s")
+"""Other threads whose CPU time is not the rank's own: gloo's transport threads (the
+collectives' work) and the checkpoint's background writers (doctor/dump.py
+CHECKPOINT_THREADS: the run's work, rank 0's the larger; an async save's commit ran on rank 0
+during the next step and made its training thread wait for a CPU, 0.016 s more than its
+peer in one step of a healthy run named a straggler, session 52)."""
 
 
 @dataclass
@@ -98,11 +107,14 @@ class _Step:
     others: float | None = None
     """CPU time of the rank's other threads, less gloo's transport threads' when recorded."""
     blocked: float | None = None
+    work: float = 0.0
+    """Seconds of the run's work (logging, evaluation, checkpoints) in the window, before the
+    step started (`_run_work`); the readings above leave it out."""
 
     @property
     def off(self) -> float:
-        """Neither on a CPU, nor waiting for one, nor blocked in a collective."""
-        return (self.end - self.start) - self.cpu - self.wait - self.blocked
+        """Neither on a CPU, nor waiting for one, nor blocked in a collective, in the step."""
+        return (self.end - self.start - self.work) - self.cpu - self.wait - self.blocked
 
 
 def find(trace) -> Finding | None:
@@ -189,33 +201,62 @@ def _steps(trace) -> dict[int, dict[int, _Step]]:
     beats = {rank: [b for b in d.get("step_times", []) if b.get("run_queue_s") is not None]
              for rank, d in trace.dumps.items()}
     # The transport threads' share comes off every rank's other threads or off none: ranks
-    # compared with and without it would differ by gloo's work alone.
-    transport = all(b.get("transport_cpu_s") is not None for bs in beats.values() for b in bs)
-    out = {rank: {b["step"]: _step(a, b, transport) for a, b in zip(bs, bs[1:])
+    # compared with and without it would differ by gloo's work alone; the checkpoint writers'
+    # alike (`_BACKGROUND`).
+    background = tuple(f for f in _BACKGROUND
+                       if all(b.get(f) is not None for bs in beats.values() for b in bs))
+    out = {rank: {b["step"]: _step(a, b, background) for a, b in zip(bs, bs[1:])
                   if b["step"] == a["step"] + 1} for rank, bs in beats.items()}
     return out if out and all(out.values()) else {}
 
 
-def _step(before: dict[str, Any], after: dict[str, Any], transport: bool) -> _Step:
-    step = _Step(before["end_t"], after["end_t"],
-                 after["run_queue_s"] - before["run_queue_s"], _host_wait(before, after))
-    if all(before.get(f) is not None and after.get(f) is not None for f in _READINGS):
-        step.cpu = after["cpu_s"] - before["cpu_s"]
-        step.others = after["other_threads_cpu_s"] - before["other_threads_cpu_s"]
-        if transport:  # beside the collectives' own threads (module docstring)
-            step.others -= after["transport_cpu_s"] - before["transport_cpu_s"]
-        step.blocked = after["blocked_s"] - before["blocked_s"]
+def _step(before: dict[str, Any], after: dict[str, Any], background: tuple[str, ...]) -> _Step:
+    """The step between two beats, the run's work between them (`_run_work`) taken out of
+    what the rank did: its window still holds that work's collectives (their lateness is
+    compared), but no evidence that the rank held the step up comes from it."""
+    grew = {f: after[f] - before[f] for f in ("run_queue_s", *_READINGS, *_BACKGROUND)
+            if before.get(f) is not None and after.get(f) is not None}
+    work = _run_work(before, after)
+    if not set(grew) <= set(work):  # only what was read in the work too comes out of it
+        work = {}
+    grew = {f: v - work.get(f, 0.0) for f, v in grew.items()}
+    step = _Step(before["end_t"], after["end_t"], grew["run_queue_s"], _host_wait(grew),
+                 work=work.get("seconds", 0.0))
+    if all(f in grew for f in _READINGS):
+        step.cpu, step.blocked = grew["cpu_s"], grew["blocked_s"]
+        step.others = grew["other_threads_cpu_s"]
+        for f in background:  # the collectives' and the checkpoint's threads (module docstring)
+            step.others -= grew[f]
     return step
 
 
-def _host_wait(before: dict, after: dict) -> float:
-    """The run-queue wait between two beats that other processes caused, at least: less the CPU
-    time the rank's own other threads had meanwhile (a thread can only have waited for its own
+def _run_work(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """What the rank did between its last beat and the step's start, by reading (doctor/
+    session.py `run_work`: the seconds, CPU time, run-queue wait, blocked time...): logging,
+    evaluation, checkpoints, the work the run gives the rank. Rank 0 alone writes
+    metrics.jsonl and commits a checkpoint's metadata (disk writes: off a CPU, so `off`
+    counted them as a stall); its peers wait for it in the next collective, as the run asked.
+    Measured (session 52, docs/measurements.md#straggler-run-work): healthy `meshtron train
+    --model debug --nproc 2 --plan dp=2 --steps 6 --checkpoint-every 3` runs were named a
+    straggler in 1 of 8, rank 0 0.022 s off a CPU in the step-3 checkpoint's window. Not yet
+    enough with a checkpoint every step: an async save's commit then overlaps the next step's
+    training on rank 0 (Python work in its thread: the training thread waits for the GIL,
+    off a CPU, seen as rank 0's own), named in 2 of 4 such runs. Empty (nothing taken out) for dumps without it, or when a
+    reading is missing from it. A rank stopped during this work is not seen; a stop in the
+    steps themselves still is."""
+    a, b = before.get("run_work"), after.get("run_work")
+    if not a or not b or set(a) != set(b) or "seconds" not in a:
+        return {}
+    return {f: b[f] - a[f] for f in a}
+
+
+def _host_wait(grew: dict[str, float]) -> float:
+    """The run-queue wait in a step that other processes caused, at least: less the CPU time
+    the rank's own other threads had meanwhile (a thread can only have waited for its own
     process's threads while they ran). Beats without that reading count their whole wait."""
-    wait = after["run_queue_s"] - before["run_queue_s"]
-    if after.get("other_threads_cpu_s") is None or before.get("other_threads_cpu_s") is None:
-        return wait
-    return max(0.0, wait - (after["other_threads_cpu_s"] - before["other_threads_cpu_s"]))
+    if "other_threads_cpu_s" not in grew:
+        return grew["run_queue_s"]
+    return max(0.0, grew["run_queue_s"] - grew["other_threads_cpu_s"])
 
 
 def _lateness(trace):

@@ -116,6 +116,12 @@ def beat(step: int) -> None:
         _session.beat(step)
 
 
+def step_starts() -> None:
+    """The training loop starts a step (after the last one's logging, evaluation, checkpoint)."""
+    if _session is not None:
+        _session.step_starts()
+
+
 def watch_mesh(mesh, extra: dict[str, Any] | None = None) -> None:
     """Name groups by mesh axis; `extra` names the groups of submeshes the mesh has no axis for
     (a meshtron mesh's: `meshtron.parallel.mesh.named_submeshes`, its flattened data axis

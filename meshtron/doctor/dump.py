@@ -114,6 +114,15 @@ ProcessGroupGloo's workers ("pt_gloo_runloop", named by torch) and gloo's TCP ev
 threads that ran were the doctor's own (measured, /proc/self/task/*/comm)."""
 
 
+CHECKPOINT_THREADS = ("meshtron-ckpt", "meshtron-stage", "meshtron-snapshot", "AsyncCheckpoint")
+"""Name prefixes (Python thread names: `TransportThreads._name`) of the threads that write
+checkpoints in the background: the checkpointer's commit ("meshtron-ckpt"), its staging copy
+and in-memory snapshots (checkpoint/checkpointer.py, staging.py, snapshot.py) and torch DCP's
+`async_save` executor ("AsyncCheckpointExecutor",
+torch/distributed/checkpoint/_async_thread_executor.py).
+Their work is the run's: rank 0's is the larger (it alone commits the metadata)."""
+
+
 class TransportThreads:
     """CPU time of this process's collective-transport threads (`TRANSPORT_THREADS`) so far.
     Why apart from the other threads: their work is the collectives', the same on every rank,
@@ -123,7 +132,9 @@ class TransportThreads:
     A thread is named once, when first seen (gloo names its threads as they start, at group
     creation, before the first step); one that ended keeps the CPU time last read."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefixes: tuple[str, ...] = TRANSPORT_THREADS) -> None:
+        self._prefixes = prefixes
+        """Which threads are counted (`TRANSPORT_THREADS`; `CHECKPOINT_THREADS` alike)."""
         self._clocks: dict[int, int] = {}  # tid -> its CPU-time clock
         self._last: dict[int, float] = {}
         self._ended = 0.0
@@ -152,7 +163,10 @@ class TransportThreads:
             name = Path(f"/proc/self/task/{tid}/comm").read_text()
         except OSError:
             return
-        if name.startswith(TRANSPORT_THREADS):
+        # Python names its threads in `threading` only (3.11-3.13 set no comm): the name of
+        # the Python thread of this id too (ThreadPoolExecutor's thread_name_prefix).
+        py_name = next((t.name for t in threading.enumerate() if t.native_id == int(tid)), "")
+        if name.startswith(self._prefixes) or py_name.startswith(self._prefixes):
             # The thread's CPU-time clock: Linux's MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)
             # (include/linux/posix-timers_types.h; glibc's pthread_getcpuclockid builds the
             # same id), read with clock_gettime as time.thread_time reads the caller's.

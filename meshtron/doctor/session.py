@@ -66,6 +66,11 @@ def _recorder(rank: int, capacity: int, backend: str | None = None):
     return CollectiveRecorder(rank, capacity)
 
 
+RUN_WORK_FIELDS = ("seconds", "run_queue_s", "other_threads_cpu_s", "cpu_s", "blocked_s",
+                   "transport_cpu_s", "checkpoint_threads_cpu_s")
+"""`run_work`'s totals, in `_readings`' order (a beat's fields; "seconds": the wall time)."""
+
+
 class DoctorSession:
     """See the module docstring. `recorder=False` keeps the watchdog and dumps without
     recording collectives. `timeline`: also time the main thread's waits and write
@@ -89,7 +94,14 @@ class DoctorSession:
         self.mesh: dict[str, Any] | None = None
         self.step = 0
         self.step_times: collections.deque = collections.deque(maxlen=STEP_TIMES_KEPT)
+        self.run_work = dict.fromkeys(RUN_WORK_FIELDS, 0.0)
+        """Totals over the times between a step's beat and the next step's start (`step_starts`):
+        the loop's logging, evaluation and checkpoints, work the run gives the rank (rank 0
+        alone writes the records and commits a checkpoint's metadata), not a straggler's stall:
+        the seconds and the beat's readings' growth in them."""
+        self._beat_readings: tuple | None = None
         self._transport = dumpfile.TransportThreads()
+        self._writers = dumpfile.TransportThreads(dumpfile.CHECKPOINT_THREADS)
         self.exception: str | None = None
         self._exception_reason: str | None = None
         self.timed_out: dict[str, Any] | None = None
@@ -188,14 +200,26 @@ class DoctorSession:
 
     def beat(self, step: int) -> None:
         """A step finished (the watchdog's progress signal; per-rank step times)."""
+        readings = self._readings()
+        now = readings[0]
+        self.step_times.append((step, now, now - self._last_step_t, *readings[1:],
+                                dict(self.run_work)))
+        self._last_step_t = self._last_progress = now
+        self._beat_readings = readings
+        self.step = step
+
+    def _readings(self) -> tuple:
+        """(time, run-queue wait, other threads' CPU, CPU, blocked, transport threads' CPU,
+        checkpoint writer threads' CPU): `RUN_WORK_FIELDS`' order.
+
+        The training thread's CPU time and run-queue wait so far (one /proc read), the CPU
+        time of the process's other threads, and the seconds the training thread has been
+        blocked in waits on collectives (the recorder's counter): `meshtron doctor` tells a
+        rank the host's CPU load slowed (waiting for a core other processes held) from one
+        that stalled (stopped, sleeping outside the collectives) or starved itself
+        (diagnose/straggler.py). One /proc read, one /proc listing and a few clock reads; no
+        device sync."""
         now = time.time()
-        # The training thread's CPU time and run-queue wait so far (one /proc read), the CPU
-        # time of the process's other threads, and the seconds the training thread has been
-        # blocked in waits on collectives (the recorder's counter): `meshtron doctor` tells a
-        # rank the host's CPU load slowed (waiting for a core other processes held) from one
-        # that stalled (stopped, sleeping outside the collectives) or starved itself
-        # (diagnose/straggler.py). One /proc read, one /proc listing and a few clock reads per
-        # step; no device sync.
         sched = dumpfile.schedstat_s(threading.get_native_id())
         cpu, wait = sched if sched else (None, None)
         others = time.process_time() - cpu if sched else None
@@ -203,10 +227,23 @@ class DoctorSession:
         # Of the other threads' CPU time, gloo's transport threads' (blocked is None on NCCL,
         # whose ranks the rule times without these readings: not read there).
         transport = self._transport.cpu_s() if sched and blocked is not None else None
-        self.step_times.append((step, now, now - self._last_step_t, wait, others, cpu, blocked,
-                                transport))
-        self._last_step_t = self._last_progress = now
-        self.step = step
+        writers = self._writers.cpu_s() if transport is not None else None
+        return now, wait, others, cpu, blocked, transport, writers
+
+    def step_starts(self) -> None:
+        """The loop starts a step: what this rank did since the last beat (logging, evaluation,
+        a checkpoint) was the run's work, added to `run_work` (straggler.py keeps it out of the
+        rank's own time). The same readings as a beat."""
+        if self._beat_readings is None:
+            return
+        now = self._readings()
+        for key, a, b in zip(RUN_WORK_FIELDS, self._beat_readings, now):
+            if key in self.run_work:
+                if a is None or b is None:
+                    del self.run_work[key]  # a reading missing once: the total is unknown
+                else:
+                    self.run_work[key] += b - a
+        self._beat_readings = None
 
     def _progress(self) -> None:
         self._last_progress = time.time()
@@ -252,8 +289,9 @@ class DoctorSession:
                 "records": self.recorder.snapshot() if self.recorder else [],
                 "step_times": [{"step": s, "end_t": t, "seconds": d, "run_queue_s": q,
                                 "other_threads_cpu_s": o, "cpu_s": c, "blocked_s": b,
-                                "transport_cpu_s": g}
-                               for s, t, d, q, o, c, b, g in list(self.step_times)],
+                                "transport_cpu_s": g, "checkpoint_threads_cpu_s": k,
+                                "run_work": w}
+                               for s, t, d, q, o, c, b, g, k, w in list(self.step_times)],
                 "stacks": dumpfile.thread_stacks(),
                 "peers": dumpfile.peer_states(self.trace_dir, self.world_size, self.rank),
             }

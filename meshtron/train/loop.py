@@ -270,6 +270,7 @@ def _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, c
     with TrainProgress(steps, enabled=show_progress and main) as progress:
         mark, pending = time.perf_counter(), 0
         for step in range(start_step + 1, steps + 1):
+            doctor.step_starts()  # the run's work since the last beat ends (straggler rule)
             inputs, targets = data.next_batch()
             out = engine.train_step(inputs, targets)
             doctor.beat(step)
