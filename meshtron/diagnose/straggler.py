@@ -42,13 +42,17 @@ Two rules, by what the dumps carry:
   missed). Not the run's work between steps (`_run_work`: logging, evaluation, checkpoints,
   read at the step's start): rank 0 alone writes the records and commits a checkpoint's
   metadata, off a CPU, and its peers wait for it in the next collective, as the run asked
-  (docs/measurements.md#straggler-run-work). Not every thread's run-queue wait: a SIGCONT wakes all of a stopped rank's threads
-  into the run queue (113% vs 39% of the span): subtracting it hides the straggler. A stop
-  while the rank is blocked in a collective delays both ranks alike and is not seen; lateness
-  outside the steps with readings (the loss logged after the last beat) counts nothing. Not
-  named by this rule: a rank slower only in its own computation (more CPU time for the same
-  step: uneven batches, a slower core; on a loaded host equal steps' CPU time differed by up
-  to 1.7% of the span by chance), and one slowed by its own transport threads.
+  (docs/measurements.md#straggler-run-work). Nor the checkpoint writers' work during a step
+  (an async save's commit): their CPU time, and the training thread's time off a CPU that
+  it explains (waits for the GIL they hold: `_Step.stalled`, measurements.md
+  #straggler-ended-threads). Not every thread's run-queue wait: a SIGCONT wakes all of a
+  stopped rank's threads into the run queue (113% vs 39% of the span): subtracting it hides
+  the straggler. A stop while the rank is blocked in a collective delays both ranks alike
+  and is not seen; lateness outside the steps with readings (the loss logged after the last
+  beat) counts nothing. Not named by this rule: a rank slower only in its own computation
+  (more CPU time for the same step: uneven batches, a slower core; on a loaded host equal
+  steps' CPU time differed by up to 1.7% of the span by chance), and one slowed by its own
+  transport threads.
 * Timing (dumps without those readings: NCCL ranks, another OS, an older meshtron): the
   lateness less, step by step, the run-queue wait beyond the least rank's (less its own
   other threads' CPU time: `_host_wait`); lateness outside the steps with readings counts
@@ -110,11 +114,24 @@ class _Step:
     work: float = 0.0
     """Seconds of the run's work (logging, evaluation, checkpoints) in the window, before the
     step started (`_run_work`); the readings above leave it out."""
+    writers: float = 0.0
+    """CPU time of the rank's checkpoint writer threads in the step (`_BACKGROUND`)."""
 
     @property
     def off(self) -> float:
         """Neither on a CPU, nor waiting for one, nor blocked in a collective, in the step."""
         return (self.end - self.start - self.work) - self.cpu - self.wait - self.blocked
+
+    @property
+    def stalled(self) -> float:
+        """`off`, less what the checkpoint writers' CPU time can explain: their Python work
+        (an async save's commit, its staging) holds the GIL, and the training thread waits
+        for it asleep, off a CPU (Python's eval loop: a thread asks for the GIL after a
+        5 ms switch interval, sys.getswitchinterval). Measured (session 53): a healthy
+        2-rank run's rank 0 was 0.016 s off a CPU in the step its commit thread ran, its
+        peer 0.002 s (docs/measurements.md#straggler-ended-threads). A SIGSTOP stops the
+        writers too: a stopped rank's `off` is not explained away."""
+        return max(0.0, self.off - self.writers)
 
 
 def find(trace) -> Finding | None:
@@ -177,7 +194,7 @@ def _own_s(step: _Step, least: dict[str, float]) -> float:
     run-queue wait beyond the least rank's that its other threads' CPU time (gloo's transport
     threads apart) beyond the least rank's can explain (they held its CPU only while they ran)."""
     behind_own = min(step.wait - least["wait"], step.others - least["others"])
-    return max(0.0, step.off) + max(0.0, behind_own)
+    return step.stalled + max(0.0, behind_own)
 
 
 def _late_by_step(entries: list[tuple[float, float]], steps: dict[int, _Step]):
@@ -227,6 +244,8 @@ def _step(before: dict[str, Any], after: dict[str, Any], background: tuple[str, 
         step.others = grew["other_threads_cpu_s"]
         for f in background:  # the collectives' and the checkpoint's threads (module docstring)
             step.others -= grew[f]
+        if "checkpoint_threads_cpu_s" in background:
+            step.writers = max(0.0, grew["checkpoint_threads_cpu_s"])
     return step
 
 
@@ -238,12 +257,10 @@ def _run_work(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]
     counted them as a stall); its peers wait for it in the next collective, as the run asked.
     Measured (session 52, docs/measurements.md#straggler-run-work): healthy `meshtron train
     --model debug --nproc 2 --plan dp=2 --steps 6 --checkpoint-every 3` runs were named a
-    straggler in 1 of 8, rank 0 0.022 s off a CPU in the step-3 checkpoint's window. Not yet
-    enough with a checkpoint every step: an async save's commit then overlaps the next step's
-    training on rank 0 (Python work in its thread: the training thread waits for the GIL,
-    off a CPU, seen as rank 0's own), named in 2 of 4 such runs. Empty (nothing taken out) for dumps without it, or when a
-    reading is missing from it. A rank stopped during this work is not seen; a stop in the
-    steps themselves still is."""
+    straggler in 1 of 8, rank 0 0.022 s off a CPU in the step-3 checkpoint's window. The
+    async save's commit thread that overlaps the next step is the writers' (`_Step.stalled`).
+    Empty (nothing taken out) for dumps without it, or when a reading is missing from it. A
+    rank stopped during this work is not seen; a stop in the steps themselves still is."""
     a, b = before.get("run_work"), after.get("run_work")
     if not a or not b or set(a) != set(b) or "seconds" not in a:
         return {}

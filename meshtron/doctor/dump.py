@@ -123,6 +123,39 @@ torch/distributed/checkpoint/_async_thread_executor.py).
 Their work is the run's: rank 0's is the larger (it alone commits the metadata)."""
 
 
+class _EndedThreads:
+    """The CPU time of the threads that ended between two readings, whole: the process's CPU
+    time (CLOCK_PROCESS_CPUTIME_ID, which keeps an ended thread's time) less its live
+    threads' (one clock read each) is what every ended thread used; its growth since the last
+    reading is what the threads that ended since used, whole lives. A thread's own clock
+    cannot be read once it ended, so its last reading misses what it did after it: a
+    checkpoint's commit thread that starts as a step starts and ends before the step's beat
+    was counted 0 s, and its CPU time, 0.05 s in a healthy 2-rank run's step, was taken for
+    the rank's own (docs/measurements.md#straggler-ended-threads)."""
+
+    def __init__(self) -> None:
+        self._tids: set[int] = set()
+        self._dead = 0.0
+
+    def since_last(self, tids: set[int], counted: set[int]) -> float | None:
+        """Seconds the threads that ended since the last call used, whole lives; None on the
+        first call or when one of them was not a `counted` thread (its time is not ours to
+        give). A thread that started and ended between two calls is never listed: its time
+        is in the sum too (a checkpoint's own helper threads, in meshtron's loop)."""
+        total = 0.0
+        for tid in tids:
+            try:
+                total += time.clock_gettime((~tid << 3) | 6)
+            except OSError:  # ended since the listing: the process's clock still has it
+                pass
+        dead = time.process_time() - total
+        gone, first = self._tids - tids, not self._tids
+        grew, self._dead, self._tids = dead - self._dead, dead, tids
+        if first or any(t not in counted for t in gone):
+            return None
+        return max(0.0, grew)
+
+
 class TransportThreads:
     """CPU time of this process's collective-transport threads (`TRANSPORT_THREADS`) so far.
     Why apart from the other threads: their work is the collectives', the same on every rank,
@@ -132,13 +165,17 @@ class TransportThreads:
     A thread is named once, when first seen (gloo names its threads as they start, at group
     creation, before the first step); one that ended keeps the CPU time last read."""
 
-    def __init__(self, prefixes: tuple[str, ...] = TRANSPORT_THREADS) -> None:
+    def __init__(self, prefixes: tuple[str, ...] = TRANSPORT_THREADS,
+                 short_lived: bool = False) -> None:
         self._prefixes = prefixes
         """Which threads are counted (`TRANSPORT_THREADS`; `CHECKPOINT_THREADS` alike)."""
         self._clocks: dict[int, int] = {}  # tid -> its CPU-time clock
         self._last: dict[int, float] = {}
         self._ended = 0.0
         self._not_transport: set[str] = set()
+        self._dead = _EndedThreads() if short_lived else None
+        """Threads that end between two readings (`_EndedThreads`): a checkpoint's commit
+        thread starts as the step starts and ends before the step's beat."""
 
     def cpu_s(self) -> float | None:
         """Seconds; None without Linux /proc. One directory read (60 us on a loaded 2-core
@@ -150,12 +187,19 @@ class TransportThreads:
         for tid in tids:
             if tid not in self._not_transport and int(tid) not in self._clocks:
                 self._name(tid)
+        ended, counted = [], set(self._clocks)
         for tid, clock in list(self._clocks.items()):
             try:
                 self._last[tid] = time.clock_gettime(clock)
             except OSError:  # the thread ended
-                self._ended += self._last.pop(tid, 0.0)
+                ended.append(self._last.pop(tid, 0.0))
                 del self._clocks[tid]
+        live = {int(t) for t in tids}
+        final = self._dead.since_last(live, counted) if self._dead else None
+        # The ended threads' CPU time: all of it when only counted threads ended since the
+        # last reading (`_EndedThreads`), else what was last read of each.
+        self._ended += final if final is not None and ended else sum(ended)
+        self._not_transport &= {str(t) for t in live}
         return self._ended + sum(self._last.values())
 
     def _name(self, tid: str) -> None:
