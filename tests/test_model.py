@@ -40,14 +40,36 @@ def _write(tmp_path, cfg):
     return path
 
 
+LLAMA_CFG = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+             "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+             "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
 def test_hf_llama_config(tmp_path):
-    cfg = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-           "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
-           "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0,
-           "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu"}
-    spec = from_hf_config(_write(tmp_path, cfg))
+    spec = from_hf_config(_write(tmp_path, LLAMA_CFG))
     assert spec.num_params() == 8_030_261_248
     assert spec.kv_heads == 8 and spec.rope_theta == 500000.0
+
+
+def test_a_hub_cache_snapshot_is_named_after_its_repository(tmp_path, capsys):
+    """`meshtron plan --model` on a folder of Hugging Face's hub cache
+    (models--ORG--NAME/snapshots/REVISION) names the model NAME, not the revision's hash;
+    any other folder keeps its own name."""
+    from meshtron.cli import main
+
+    revision = "0e9e39f249a16976918f6564b8830bc894c89659"
+    snapshot = tmp_path / "models--meta-llama--Llama-3.1-8B" / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(LLAMA_CFG))
+    assert main(["plan", "--model", str(snapshot), "--cluster", "dgx-h100:1",
+                 "--global-batch", "64", "--seq-len", "4096"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("Llama-3.1-8B (8.03B params)") and revision not in header, header
+    plain = tmp_path / "my-llama"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps(LLAMA_CFG))
+    assert resolve_model(str(plain)).name == "my-llama"
 
 
 def test_hf_gpt2_config_matches_gpt2_small(tmp_path):

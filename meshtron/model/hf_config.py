@@ -35,7 +35,18 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         raise UserError(f"model={str(path)!r}: not valid JSON ({exc})") from None
     if not isinstance(cfg, dict):
         raise UserError(f"model={str(path)!r}: config.json must hold a JSON object")
-    return from_hf_dict(cfg, name=path.parent.name or path.stem)
+    return from_hf_dict(cfg, name=_folder_name(path))
+
+
+def _folder_name(path: Path) -> str:
+    """The model's name: its folder's, or in Hugging Face's hub cache
+    (`models--ORG--NAME/snapshots/REVISION/config.json`, huggingface_hub's cache layout) NAME,
+    not the revision's hash the folder is named after."""
+    folder = path.parent
+    repo = folder.parent.parent.name
+    if folder.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.rsplit("--", 1)[-1]
+    return folder.name or path.stem
 
 
 _HF_KEYS = {
