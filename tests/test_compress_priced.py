@@ -5,6 +5,7 @@ reported by the run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from meshtron.planner.plan import Plan, load_plan
+from testkit.cli_inproc import meshtron_main
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOW_CLUSTER = """gpu = "H100-SXM5-80GB"
@@ -25,8 +27,17 @@ inter_node_gb_per_s = 1.25
 
 
 def meshtron(cwd: Path, *args, timeout: float = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "meshtron", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    """`meshtron ARGS` in `cwd`: `train` (2 ranks) as the command in real processes; `plan`,
+    `cost` and `simulate` in this process (testkit/cli_inproc.py; suite time: 13 children of
+    ~0.7 s CPU each; that they never import torch is tests/test_startup.py's)."""
+    argv = [str(a) for a in args]
+    if argv[0] != "train":
+        with contextlib.chdir(cwd):
+            code, out, err = meshtron_main(*argv)
+        proc = subprocess.CompletedProcess(argv, code, out, err)
+    else:
+        proc = subprocess.run([sys.executable, "-m", "meshtron", *argv], cwd=cwd,
+                              capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
 

@@ -151,18 +151,18 @@ def test_calibrations_without_a_device_name_match_by_kind_and_catalogue_gpu(tmp_
 def test_calibrate_records_the_device_it_measured(tmp_path):
     """`meshtron calibrate` (one rank, real measurements) writes the device's name into its
     record, so --plan auto on this machine then plans with it (the CPU here; the GPU kit runs
-    this test on a GPU node too)."""
+    this test on a GPU node too). The command's argv through `meshtron.cli.main` in this
+    process (testkit/cli_inproc.py; suite time: a child's torch import); `--nproc 2` runs as
+    the command in tests/test_train_launch.py."""
     import json
-    import subprocess
-    import sys
 
     from meshtron.calibrate.device import this_node
     from meshtron.train.planning import choose_cluster
+    from testkit.cli_inproc import meshtron_main
 
     out = tmp_path / "local-1.toml"
-    proc = subprocess.run([sys.executable, "-m", "meshtron", "calibrate", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    code, _, stderr = meshtron_main("calibrate", "--out", str(out))
+    assert code == 0, stderr[-2000:]
     record = json.loads(out.with_suffix(".json").read_text())
     node = this_node()
     assert record["device_name"] == node.name and record["device"] == node.kind
@@ -175,8 +175,8 @@ def test_calibrate_records_the_device_it_measured(tmp_path):
     assert set(spread) == {"matmul", "memory", "rms_norm", "silu_mul", "softmax", "eager_op",
                            *gemms} and all(v >= 0 for v in spread.values())
     noisy = [k for k, v in spread.items() if v > 0.25]
-    assert proc.stderr.count("warning: noisy calibration") == (1 if noisy else 0)
-    assert not noisy or max(noisy, key=spread.get) in proc.stderr  # the widest is named
+    assert stderr.count("warning: noisy calibration") == (1 if noisy else 0)
+    assert not noisy or max(noisy, key=spread.get) in stderr  # the widest is named
     assert (got.cluster.noise_note() is not None) == bool(noisy)
 
 

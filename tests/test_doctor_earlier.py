@@ -24,13 +24,15 @@ import time
 from pathlib import Path
 
 from meshtron.train import earlier
+from testkit.cli_inproc import meshtron_main
 from testkit.procs import rank_pids, records
 
 TRAIN = [sys.executable, "-m", "meshtron", "train", "--nproc", "2", "--plan", "dp=2",
          "--model", "debug", "--seq-len", "32", "--global-batch", "8", "--eval-every", "0",
          "--steps", "200"]
-ONE_PROCESS = [sys.executable, "-m", "meshtron", "train", "--model", "debug", "--seq-len", "32",
-               "--global-batch", "8", "--eval-every", "0", "--steps", "2"]
+ONE_PROCESS = ["train", "--model", "debug", "--seq-len", "32", "--global-batch", "8",
+               "--eval-every", "0", "--steps", "2"]
+"""A one-process run, in this process (testkit/cli_inproc.py: no child's torch import)."""
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
@@ -96,9 +98,8 @@ def test_resume_keeps_the_killed_launch_for_doctor(tmp_path):
     # A one-process run started over the folder (--overwrite) replaces that run whole: its
     # trace and earlier launches went with it, where the doctor judged the old 2-rank run as
     # this one ("exit at step 200", exit 0; session-52 user audit).
-    fresh = subprocess.run([*ONE_PROCESS, "--run-dir", str(run_dir), "--overwrite"],
-                           capture_output=True, text=True, env=ENV, timeout=300)
-    assert fresh.returncode == 0, fresh.stdout[-3000:] + fresh.stderr[-3000:]
+    code, out, err = meshtron_main(*ONE_PROCESS, "--run-dir", str(run_dir), "--overwrite")
+    assert code == 0, out[-3000:] + err[-3000:]
     assert not earlier.root(run_dir).exists()
     assert not any((run_dir / "trace").glob("rank_*")) and not (run_dir / "attempts").exists()
     after = _doctor(str(run_dir))

@@ -9,6 +9,13 @@ dumps in trace/, and `meshtron doctor` printed the earlier watchdog's line for t
   RUN/earlier/1 and judged there (rank 1 never entered its collective).
 - The file rule on real files: this launch's hello files and newer files stay, older ones move
   (--resume) or go (a fresh run), attempts/ with them.
+
+Suite time: the torchrun scenario (two 2-rank torchrun launches and a 4 s watchdog, ~33 s) is
+`slow`. Default: the file rule above on real files (`set_aside_in_place`, the function such a
+launch's rank 0 calls), the meshtron launcher's `--resume` keeping the killed launch and doctor
+reading it (tests/test_doctor_earlier.py::test_resume_keeps_the_killed_launch_for_doctor), and
+a launch under the user's own torchrun (tests/test_train_launch.py::
+test_inside_an_existing_torchrun_world).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from meshtron.train import earlier
 
@@ -34,6 +43,7 @@ def _doctor(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow  # suite time: two torchrun launches, one hung to its watchdog (module doc)
 def test_outside_torchrun_resume_sets_the_hung_launch_aside(tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1",

@@ -1,10 +1,17 @@
 """User audit 2026-12-05 (session 43), through the `meshtron` command where it was seen: HSDP's
 replicate axis in a `--plan` / `--layout` string, `nominal-cpu:N` as a `--cluster` value (the
-name runs print), and a hand-written plan.toml without [predicted] ('not priced', never nan)."""
+name runs print), and a hand-written plan.toml without [predicted] ('not priced', never nan).
+
+Suite time: the 4-rank HSDP run from the plan string is `slow`. Default: `train --plan` reads
+the replicate axis (its refusal below, in this process), `plan --layout` saves it, HSDP trains
+as one process does (tests/test_parallel.py, dp=4 zero=3 dp_replicate=2), and a run prints a
+cluster name `plan --cluster` takes (tests/test_run_folder.py, nominal-cpu:2)."""
 
 from __future__ import annotations
 
 import tomllib
+
+import pytest
 
 from tests.test_cli_issue28 import SMALL, meshtron, meshtron_main, one_line
 
@@ -38,6 +45,16 @@ def test_an_unknown_cluster_preset_lists_nominal_cpu(capsys):
     assert proc.returncode == 2 and "nominal-cpu:N" in one_line(proc)
 
 
+def test_train_reads_the_replicate_axis_of_its_plan_string(capsys, tmp_path):
+    """In this process: refused by the plan's rule on that axis before any rank starts."""
+    proc = meshtron_main(capsys, "train", *SMALL, "--nproc", "4", "--plan",
+                         "dp=4,dp_replicate=3", "--steps", "1", "--run-dir", tmp_path / "r")
+    assert proc.returncode == 2, proc.stderr
+    assert "plan.dp_replicate=3: must divide plan.dp=4" in one_line(proc)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow  # a 4-rank launch (suite time); default coverage: the module doc
 def test_train_runs_hsdp_from_the_plan_string_and_says_so(tmp_path):
     run = tmp_path / "hsdp"
     proc = meshtron("train", *SMALL, "--nproc", "4", "--plan", "dp=4,dp_replicate=2",

@@ -9,9 +9,11 @@ command in real processes and real files (meshtron/checkpoint/extend.py, run_id.
   naming that step, exit 2, nothing written;
 - run.toml's `train.run_id`: drawn for a new run, kept by --resume, new after --overwrite.
 
-Suite time: the refusals run in-process through `meshtron.cli.main` (the same argv, the same
-one-line / exit-2 / nothing-written checks); the 7-step straight run is trained once for the
-module (`constant7`) and read by the extension test and, copied, by the --overwrite test.
+Suite time: the refusals and every one-process run go in-process through `meshtron.cli.main`
+(the same argv, the same one-line / exit-2 / nothing-written checks; testkit/cli_inproc.py);
+the 2-rank runs (`--resume` of a pp=2 run without a layout) are the command in real processes.
+The 7-step straight run is trained once for the module (`constant7`) and read by the extension
+test and, copied, by the --overwrite test.
 """
 
 import json
@@ -27,6 +29,7 @@ import pytest
 
 from meshtron.cli import main
 from meshtron.config import OptimConfig
+from testkit.cli_inproc import meshtron_main
 
 RUN = ["--model", "debug", "--seq-len", "32", "--global-batch", "8", "--eval-every", "0"]
 # every step after the 2-step warm-up at the peak rate: extending never changes a taken step
@@ -34,6 +37,11 @@ CONSTANT = [*RUN, "--warmup-steps", "2", "--set", "optim.min_lr_ratio=1.0"]
 
 
 def _run(*argv, timeout=600):
+    """`meshtron ARGV`: a 2-rank run (`--nproc`) through the command in its own processes; a
+    one-process run in this one (testkit/cli_inproc.py: the same argv, exit code, lines and
+    files, without a child's torch import)."""
+    if "--nproc" not in argv:
+        return meshtron_main(*argv)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "meshtron", *argv], capture_output=True,
                           text=True, env=env, timeout=timeout)
