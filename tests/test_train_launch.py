@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -163,7 +164,16 @@ def test_public_api_reexports():
 
 def test_inside_an_existing_torchrun_world(tmp_path, single):
     """`torchrun ... -m meshtron train` (how multi-node jobs start): the ranks take torchrun's
-    world, resolve the same plan each, and rank 0 reports."""
+    world, resolve the same plan each, and rank 0 reports. The folder holds what a killed
+    earlier launch left (its ABORT.json, an hour old): rank 0 removes it after the rendezvous
+    (train/earlier.py `set_aside_in_place`; without it the doctor read the old launch's abort
+    as this one's), and `meshtron doctor` finds nothing wrong. tests/test_doctor_earlier_outside.py
+    (slow) resumes a hung torchrun launch and keeps its files in earlier/1."""
+    stale = tmp_path / "tr" / "trace" / "ABORT.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text(json.dumps({"reason": "watchdog", "rank": 1}))
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -172,6 +182,9 @@ def test_inside_an_existing_torchrun_world(tmp_path, single):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done: debug (125,632 params) on 2 ranks" in proc.stdout
     assert "tp = 2" in (tmp_path / "tr" / "plan.toml").read_text()
+    assert not stale.exists() and not (tmp_path / "tr" / "earlier").exists()
+    doctor = _meshtron("doctor", str(tmp_path / "tr"))
+    assert doctor.returncode == 0 and "kind: none" in doctor.stdout, doctor.stdout
     want, got = _losses(single / "metrics.jsonl"), _losses(tmp_path / "tr" / "metrics.jsonl")
     assert len(got) == len(want) == 3
     for a, b in zip(want, got):
