@@ -14,8 +14,9 @@ Suite time: the torchrun scenario (two 2-rank torchrun launches and a 4 s watchd
 `slow`. Default: the file rule above on real files (`set_aside_in_place`, the function such a
 launch's rank 0 calls), the meshtron launcher's `--resume` keeping the killed launch and doctor
 reading it (tests/test_doctor_earlier.py::test_resume_keeps_the_killed_launch_for_doctor), and
-a launch under the user's own torchrun (tests/test_train_launch.py::
-test_inside_an_existing_torchrun_world).
+a launch under the user's own torchrun whose rank 0 removes what a killed launch left
+(tests/test_train_launch.py::test_inside_an_existing_torchrun_world: a fresh run; the
+--resume archive under torchrun is this file's only).
 """
 
 from __future__ import annotations
