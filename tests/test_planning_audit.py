@@ -167,6 +167,23 @@ def test_a_cpu_clusters_tflops_are_not_cut_to_zero(capsys):
     assert gpu and all(re.fullmatch(r"\d{2,3}/\d{2,3}", c) for c in gpu), gpu
 
 
+def test_a_small_models_memory_columns_are_not_cut_to_zero(capsys):
+    """`plan --wide`'s memory cells p/g/o/act/total printed '0.0' for a small model's
+    parameters (0.00047 GiB); they keep two significant digits below 0.1 GiB, one decimal
+    above, the same values as --json's."""
+    argv = ["plan", "--model", "debug", "--cluster", "dgx-h100:1", "--global-batch", "8",
+            "--seq-len", "32"]
+    assert main([*argv, "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["plans"][0]["memory_gib"]
+    assert main([*argv, "--wide"]) == 0
+    row = next(line.split() for line in capsys.readouterr().out.splitlines()
+               if line.startswith("1 "))
+    cell = next(c for c in row if c.count("/") == 5)
+    params, grads, optimizer = (float(x) for x in cell.split("/")[:3])
+    assert params == pytest.approx(memory["params"], rel=0.05) and params > 0, (cell, memory)
+    assert optimizer == pytest.approx(memory["optimizer"], rel=0.05), (cell, memory)
+
+
 def test_a_gemma3_text_config_without_vocab_size_reads_the_class_default(capsys, tmp_path):
     """transformers' Gemma3TextConfig defaults vocab_size to 262208; a config.json of model_type
     gemma3_text without the key was refused ("vocab_size: missing")."""

@@ -79,6 +79,15 @@ def fmt_s(x: float) -> str:
     return f"{x:.3g}"
 
 
+def fmt_gib(x: float) -> str:
+    """GiB: one decimal from 0.1 up (a GPU's tens), two significant digits below (a small
+    model's parameters, 0.00023 GiB, read '0.0' and all its memory columns alike); an exact
+    zero stays '0.0'."""
+    if x == 0 or x >= 0.1:
+        return f"{x:.1f}"
+    return f"{x:.2g}"
+
+
 def fmt_tflops(x: float) -> str:
     """TFLOP/s per GPU: whole numbers from 1 up (a GPU's hundreds), two significant digits
     below (a CPU device's 0.05 would print '0'); an exact zero stays '0'."""

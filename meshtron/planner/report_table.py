@@ -8,7 +8,7 @@ from __future__ import annotations
 from meshtron.planner.estimate import Estimate
 from meshtron.planner.memory_options import FRAGMENTATION, RESERVED_RATIO_HIGH
 from meshtron.planner.report_format import (
-    breakdown_line, fmt_days, fmt_s, fmt_tflops, fmt_tokens, framework_of, fmt_count,
+    breakdown_line, fmt_days, fmt_gib, fmt_s, fmt_tflops, fmt_tokens, framework_of, fmt_count,
     layers_per_gpu, memory_line, options_line)
 from meshtron.planner.report_warnings import warnings
 from meshtron.planner.search import SearchResult
@@ -56,12 +56,12 @@ def _table(result: SearchResult, tokens: float, wide: bool):
         off = c.offload_label()  # host offload, as Plan.describe says it
         row = [str(i), _layout(e), f"{c.zero} {off}" if off else str(c.zero),
                str(c.micro_batch), c.recompute,
-               "on" if c.sp else "off", c.schedule_label(), f"{mem.total:.1f}{_over(e)}",
+               "on" if c.sp else "off", c.schedule_label(), f"{fmt_gib(mem.total)}{_over(e)}",
                fmt_s(e.step_time_s),
                f"{e.tokens_per_s:,.0f}", f"{e.mfu * 100:.1f}%", fmt_days(e.days(tokens))]
         if wide:
-            row[7] = (f"{mem.params:.1f}/{mem.grads:.1f}/{mem.optimizer:.1f}/"
-                      f"{mem.activations:.1f}/{mem.total:.1f}{_over(e)}")
+            row[7] = "/".join(fmt_gib(x) for x in (mem.params, mem.grads, mem.optimizer,
+                                                    mem.activations, mem.total)) + _over(e)
             row[8:9] = [fmt_s(e.step_time_s), "/".join(fmt_s(x) for x in (
                 t.compute, t.tp_comm, t.pp_comm, t.dp_comm, t.bubble, t.optimizer))]
             row += [f"{fmt_tflops(e.model_tflops_per_gpu)}/"
