@@ -6,7 +6,10 @@ defaults on a MoE model.
 The agreement table uses a 4-block model whose MoE terms dominate (16 experts of 512, top-4,
 hidden 1024): at 2 blocks the per-step fixed terms (gathered FSDP units at the peak) weigh as
 much as the blocks and hide what the MoE model gets right or wrong. The default suite runs three
-kinds in one process; the whole table is `slow`."""
+kinds, recorded (tests/data/rehearsals/moe-fast.json: the planner priced now against the
+rehearsal measured then, testkit/recorded_rehearsal.py; re-rehearsed live by a `slow` test);
+the whole table live is `slow`. The rehearsal itself keeps live default tests here (the
+dense-first stages, the routed saved bytes, the command with its defaults)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from testkit.recorded_rehearsal import case, live_check, recorded_table
 from testkit.rehearsal import check_totals, job_result, run_jobs, run_kinds
 
 from meshtron.model.moe import StaticCounts
@@ -78,20 +82,29 @@ def _check(results: dict) -> None:
 @pytest.fixture(scope="module")
 def default_jobs() -> dict:
     """The default suite's fake-tensor scripts of this file in one child process (one torch
-    import and rehearsal setup instead of four); each test reads its own result. SAVED sets
+    import and rehearsal setup instead of three); each test reads its own result. SAVED sets
     bf16 as torch's default dtype: run_jobs restores fp32 after each job."""
     no_shared = {"moe_shared_experts": 0}
     model, knobs = KINDS["ds ep+pp 1f1b"]
     return run_jobs({
-        "fast kinds": (RUN_KINDS, [BASE, {n: KINDS[n] for n in FAST}]),
         "dense-first stages": (RUN_STAGES, [BASE, model, knobs]),
         "saved softmax": (SAVED, {**MOE, **no_shared}),
         "saved sigmoid+shared": (SAVED, {**DS, **no_shared}),
     })
 
 
-def test_planner_agrees_with_moe_rehearsal_on_three_layout_kinds(default_jobs):
-    _check(job_result(default_jobs, "fast kinds"))
+RECORDED_TABLES = {"moe-fast": {n: case(KINDS[n][0], {**BASE, **KINDS[n][1]}) for n in FAST}}
+
+
+def test_planner_agrees_with_moe_rehearsal_on_three_layout_kinds():
+    """The planner priced now against the FAST kinds' recorded rehearsal (moe-fast.json)."""
+    _check(recorded_table("tests/test_rehearse_moe.py", "moe-fast", RECORDED_TABLES["moe-fast"]))
+
+
+@pytest.mark.slow
+def test_recorded_moe_kinds_are_what_the_rehearsal_measures(tmp_path):
+    """moe-fast.json's regeneration command, run live, writes what is committed."""
+    live_check("tests/test_rehearse_moe.py", "moe-fast", tmp_path)
 
 
 @pytest.mark.slow
