@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import pytest
 
+from testkit.recorded_rehearsal import case, live_check, recorded_table
 from testkit.rehearsal import check_totals, run_kinds
 
 DENSE = dict(name="mid-kinds", layers=2, hidden=1024, heads=8, kv_heads=4, ffn_hidden=2816,
@@ -145,8 +146,21 @@ def _check(kinds) -> None:
 FAST = ("gemma3_text", "qwen3")
 
 
+RECORDED_TABLES = {"models-fast": {name: case(model, {**BASE, **knobs})
+                                   for name, (model, knobs) in _cases(FAST).items()}}
+
+
 def test_planner_agrees_with_rehearsal_on_gemma3_and_qwen3():
-    _check(FAST)
+    """The planner priced now against the FAST kinds' recorded rehearsal
+    (tests/data/rehearsals/models-fast.json, testkit/recorded_rehearsal.py)."""
+    check_totals(recorded_table("tests/test_rehearse_models.py", "models-fast",
+                                RECORDED_TABLES["models-fast"]), "rehearsal", digits=4)
+
+
+@pytest.mark.slow
+def test_recorded_model_kinds_are_what_the_rehearsal_measures(tmp_path):
+    """models-fast.json's regeneration command, run live, writes what is committed."""
+    live_check("tests/test_rehearse_models.py", "models-fast", tmp_path)
 
 
 @pytest.mark.slow
