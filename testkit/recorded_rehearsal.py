@@ -9,6 +9,8 @@ planner at test time (torch-free, in the test's process: `recorded_table`) and h
 testkit.rehearsal.check_totals does. A `slow` test per table re-rehearses it live through the
 command that writes the recording (`python -m testkit.recorded_rehearsal TEST_FILE NAME`,
 `--out` a folder) and holds the new recording equal to the committed one (`same_rehearsal`).
+A test file may record other deterministic measurements the same way (RECORDED_MEASURES,
+`recorded_values`).
 
 A table is {kind: case}, a case {"model": ModelSpec fields or a preset name, "plan": the
 as_plan knobs (validated on 8 GPUs), "pp_rank": a pipeline rank or None (the planner's
@@ -197,17 +199,64 @@ def live_check(source: str, name: str, tmp_dir: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     live = json.loads((tmp_dir / f"{name}.json").read_text())
     recorded = json.loads((DATA / f"{name}.json").read_text())
-    diff = same_rehearsal(recorded, live)
+    diff = same_values(recorded, live) if "values" in recorded else same_rehearsal(recorded, live)
     assert not diff, (f"the rehearsal no longer measures what {name}.json recorded (run "
                       f"`{regenerate_command(source, name)}` and say why): {diff}")
 
 
-def _tables(source: str) -> dict:
-    """RECORDED_TABLES of a test file, loaded by path."""
+# ---- recorded measurements other than a rehearsal -----------------------------------------
+# A test file's RECORDED_MEASURES = {name: (function, keys)}: a deterministic measurement of
+# torch's (e.g. what a block saves for backward, bytes) per key, recorded as {key: value} with
+# the same provenance, read by `recorded_values`, re-measured by the same command and check.
+
+def recorded_values(source: str, name: str, keys) -> dict:
+    """{key: value} of a recorded measurement; fails, naming the command, when it is missing
+    or recorded other keys."""
+    path = DATA / f"{name}.json"
+    redo = regenerate_command(source, name)
+    assert path.exists(), f"no recording {path.relative_to(ROOT)}: run `{redo}`"
+    values = json.loads(path.read_text())["values"]
+    assert sorted(values) == sorted(keys), f"{path.relative_to(ROOT)} recorded other keys: `{redo}`"
+    return values
+
+
+def measure(source: str, name: str, function, keys) -> dict:
+    """Run `function(key)` for every key (in this process); the recording."""
+    import torch
+
+    values = {}
+    for key in keys:
+        values[key] = function(key)
+        torch.set_default_dtype(torch.float32)
+    return {"table": name, "source": source, "command": regenerate_command(source, name),
+            "function": f"{function.__qualname__} (in {source})",
+            "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+            "commit": _commit(), "values": values}
+
+
+def same_values(recorded: dict, live: dict) -> list[str]:
+    """Where a live measurement differs from its recording (exactly: byte counts)."""
+    keys = set(recorded["values"]) | set(live["values"])
+    return [f"{k}: {recorded['values'].get(k)!r} recorded, {live['values'].get(k)!r} now"
+            for k in sorted(keys) if recorded["values"].get(k) != live["values"].get(k)]
+
+
+def _module(source: str):
+    """A test file, loaded by path (its RECORDED_TABLES and RECORDED_MEASURES)."""
     spec = importlib.util.spec_from_file_location("_recorded_tables", ROOT / source)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.RECORDED_TABLES
+    return module
+
+
+def _recording(source: str, name: str, module) -> dict | None:
+    tables = getattr(module, "RECORDED_TABLES", {})
+    if name in tables:
+        return record(source, name, tables[name])
+    measures = getattr(module, "RECORDED_MEASURES", {})
+    if name in measures:
+        return measure(source, name, *measures[name])
+    return None
 
 
 def main(argv: list[str]) -> int:
@@ -220,15 +269,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("names", nargs="*", help="its tables (default: all of RECORDED_TABLES)")
     ap.add_argument("--out", type=Path, default=DATA, help=f"folder (default {DATA})")
     args = ap.parse_args(argv)
-    tables = _tables(args.source)
-    for name in args.names or list(tables):
-        if name not in tables:
-            print(f"table={name!r}: {args.source} records {', '.join(tables)}", file=sys.stderr)
+    module = _module(args.source)
+    names = [*getattr(module, "RECORDED_TABLES", {}), *getattr(module, "RECORDED_MEASURES", {})]
+    for name in args.names or names:
+        if name not in names:
+            print(f"table={name!r}: {args.source} records {', '.join(names) or 'nothing'}",
+                  file=sys.stderr)
             return 2
-        rec = record(args.source, name, tables[name])
+        rec = _recording(args.source, name, module)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
-        print(f"wrote {args.out / (name + '.json')}: {len(rec['kinds'])} kinds")
+        rows = rec.get("kinds") or rec["values"]
+        print(f"wrote {args.out / (name + '.json')}: {len(rows)} rows")
     return 0
 
 
