@@ -48,6 +48,10 @@ def case(model, plan: dict, pp_rank: int | None = None, cp_rank: int | None = No
                                   "cp_rank": cp_rank}))
 
 
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def regenerate_command(source: str, name: str) -> str:
     return f"python -m testkit.recorded_rehearsal {source} {name}"
 
@@ -113,11 +117,11 @@ def recorded_table(source: str, name: str, table: dict) -> dict:
     recording is missing or recorded another table."""
     path = DATA / f"{name}.json"
     redo = regenerate_command(source, name)
-    assert path.exists(), f"no recording {path.relative_to(ROOT)}: run `{redo}`"
+    assert path.exists(), f"no recording {_shown(path)}: run `{redo}`"
     rec = json.loads(path.read_text())
     want = {kind: case(**row) for kind, row in table.items()}
     got = {kind: r["case"] for kind, r in rec["kinds"].items()}
-    assert got == want, f"{path.relative_to(ROOT)} recorded another table: run `{redo}`"
+    assert got == want, f"{_shown(path)} recorded another table: run `{redo}`"
     out = {}
     for kind, r in rec["kinds"].items():
         planned = priced(r["case"], r["pp_rank"], r["compile"] is not None)
@@ -214,9 +218,9 @@ def recorded_values(source: str, name: str, keys) -> dict:
     or recorded other keys."""
     path = DATA / f"{name}.json"
     redo = regenerate_command(source, name)
-    assert path.exists(), f"no recording {path.relative_to(ROOT)}: run `{redo}`"
+    assert path.exists(), f"no recording {_shown(path)}: run `{redo}`"
     values = json.loads(path.read_text())["values"]
-    assert sorted(values) == sorted(keys), f"{path.relative_to(ROOT)} recorded other keys: `{redo}`"
+    assert sorted(values) == sorted(keys), f"{_shown(path)} recorded other keys: run `{redo}`"
     return values
 
 
