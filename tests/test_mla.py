@@ -276,9 +276,11 @@ def test_planner_memory_agrees_with_mla_rehearsal(model, seq):
     latents, the 192-wide q and k, v padded to them, the 128-wide output copy), its replicated
     down-projections under tp, and its recomputation. The planner is priced now against the
     rehearsal recorded in tests/data/rehearsals/mla-MODEL.json (re-rehearsed live:
-    test_recorded_mla_tables_are_what_the_rehearsal_measures, slow). Measured (2026-12-05):
-    mid-mla +0.6%, -2.4%, -2.0%, -1.2%; tiny-mla -2.8%, -2.8%, -1.1% (before the planner knew
-    MLA: -5..-12% with V padded, -26..-30% with SDPA's math fallback on unpadded V)."""
+    test_recorded_mla_tables_are_what_the_rehearsal_measures, slow). Recorded 2026-12-07
+    (planner vs rehearsal, kinds in order): mid-mla +0.6%, +1.5%, -0.9%, -0.1%; tiny-mla
+    -0.8%, +0.1%, -0.7% (2026-12-05: mid-mla +0.6%, -2.4%, -2.0%, -1.2%; tiny-mla -2.8%,
+    -2.8%, -1.1%; before the planner knew MLA: -5..-12% with V padded, -26..-30% with SDPA's
+    math fallback on unpadded V)."""
     from testkit.rehearsal import check_totals
 
     name = f"mla-{_label(model)}"

@@ -2,7 +2,11 @@
 tests/test_rehearse.py's: HSDP (a replicate x shard mesh), host offload, torch.compile and torchao float8.
 
 Each kind runs one rank through `meshtron rehearse`'s code (fake process group, fake tensors on
-CPU) and the planner's total must be within 5% of the rehearsed peak:
+CPU) and the planner's total must be within 5% of the rehearsed peak. The default suite holds
+the planner, priced at test time, to the FAST kinds' rehearsal recorded in
+tests/data/rehearsals/kinds-fast.json (testkit/recorded_rehearsal.py; 2026-12-07: every total
+within 1.5%); a `slow` test re-rehearses it live, the other kinds are `slow` and live; the two
+commands below rehearse live by default:
 
 * HSDP: FSDP2 shards over "dp_shard" only, so a rank holds dp_replicate times the states of
   plain ZeRO-3 over the same dp (the planner priced them over all of dp: -20%).

@@ -36,6 +36,12 @@ table with ep.
 And `test_block_saves_what_the_planner_counts` checks the per-kind terms directly: one block
 of each kind run with real tensors under `saved_tensors_hooks`, its saved tensors (not the
 parameters, deduplicated by storage) against `activation_bytes` with the CPU's kernels.
+
+Recorded (testkit/recorded_rehearsal.py): the default suite prices the planner at test time
+against the gemma3_text and qwen3 rehearsals in tests/data/rehearsals/models-fast.json
+(2026-12-07: every total within 1.9%) and the blocks' saved bytes in block-saved.json (llama's
+block measured live beside its recording); a `slow` test each runs the regeneration command
+live and holds it to the recording. The other kinds' tables are `slow` and live.
 """
 
 from __future__ import annotations
