@@ -17,6 +17,7 @@ from meshtron.errors import UserError
 from meshtron.model import PRESETS, Transformer
 from meshtron.model.spec import ModelSpec
 from testkit.engine_runs import token_batches, train_cfg
+from testkit.recorded_rehearsal import case, live_check, recorded_table
 
 STEPS = 3
 
@@ -250,9 +251,6 @@ def rehearse_kinds(model, base, kinds):
 """
 # argv[1]: [model, base, kinds] (tests/test_mla_rest.py runs this one too)
 RUN_KINDS = REHEARSE_FN + 'print("RESULT" + json.dumps(rehearse_kinds(*json.loads(sys.argv[1]))))'
-# argv[1]: {label: [model, base, kinds]}: several models' rehearsals in one process
-RUN_MODELS = REHEARSE_FN + ('print("RESULT" + json.dumps({label: rehearse_kinds(*job) for '
-                            'label, job in json.loads(sys.argv[1]).items()}))')
 REHEARSE_MODELS = [(MID_MLA, 1024), ("tiny-mla", 512)]
 
 
@@ -260,33 +258,42 @@ def _label(model) -> str:
     return model if isinstance(model, str) else model["name"]
 
 
-@pytest.fixture(scope="module")
-def mla_rehearsals() -> dict:
-    """Both models' rehearsals in one fresh process (one torch import instead of one per
-    model; each rehearsal is its own fake-tensor run, so sharing the process changes no
-    number): {model name: {layout kind: {row: [rehearsed, planned GiB]}}}."""
-    from testkit.rehearsal import run_kinds
+def _mla_table(model, seq: int) -> dict:
+    """A model's kinds as a recorded table (testkit/recorded_rehearsal.py); tiny-mla without
+    selective recomputation."""
+    kinds = REHEARSE_KINDS if isinstance(model, dict) else {
+        k: v for k, v in REHEARSE_KINDS.items() if k != "selective"}
+    return {name: case(model, {**REHEARSE_BASE, "seq_len": seq, **knobs})
+            for name, knobs in kinds.items()}
 
-    jobs = {}
-    for model, seq in REHEARSE_MODELS:
-        kinds = REHEARSE_KINDS if isinstance(model, dict) else {
-            k: v for k, v in REHEARSE_KINDS.items() if k != "selective"}
-        jobs[_label(model)] = [model, dict(REHEARSE_BASE, seq_len=seq), kinds]
-    return run_kinds(RUN_MODELS, jobs)
+
+RECORDED_TABLES = {f"mla-{_label(m)}": _mla_table(m, seq) for m, seq in REHEARSE_MODELS}
 
 
 @pytest.mark.parametrize("model,seq", REHEARSE_MODELS)
-def test_planner_memory_agrees_with_mla_rehearsal(mla_rehearsals, model, seq):
+def test_planner_memory_agrees_with_mla_rehearsal(model, seq):
     """Within 5% per layout kind (testkit.rehearsal.check_totals): MLA's saved tensors (its
     latents, the 192-wide q and k, v padded to them, the 128-wide output copy), its replicated
-    down-projections under tp, and its recomputation. Measured (2026-12-05): mid-mla +0.6%,
-    -2.4%, -2.0%, -1.2%; tiny-mla -2.8%, -2.8%, -1.1% (before the planner knew MLA: -5..-12%
-    with V padded, -26..-30% with SDPA's math fallback on unpadded V)."""
+    down-projections under tp, and its recomputation. The planner is priced now against the
+    rehearsal recorded in tests/data/rehearsals/mla-MODEL.json (re-rehearsed live:
+    test_recorded_mla_tables_are_what_the_rehearsal_measures, slow). Recorded 2026-12-07
+    (planner vs rehearsal, kinds in order): mid-mla +0.6%, +1.5%, -0.9%, -0.1%; tiny-mla
+    -0.8%, +0.1%, -0.7% (2026-12-05: mid-mla +0.6%, -2.4%, -2.0%, -1.2%; tiny-mla -2.8%,
+    -2.8%, -1.1%; before the planner knew MLA: -5..-12% with V padded, -26..-30% with SDPA's
+    math fallback on unpadded V)."""
     from testkit.rehearsal import check_totals
 
-    results = mla_rehearsals[_label(model)]
+    name = f"mla-{_label(model)}"
+    results = recorded_table("tests/test_mla.py", name, RECORDED_TABLES[name])
     assert len(results) == (4 if isinstance(model, dict) else 3), results.keys()
     check_totals(results, "MLA rehearsal", digits=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RECORDED_TABLES))
+def test_recorded_mla_tables_are_what_the_rehearsal_measures(name, tmp_path):
+    """A recording's regeneration command, run live, writes what is committed."""
+    live_check("tests/test_mla.py", name, tmp_path)
 
 
 def test_hf_weights_of_mla_are_refused_in_one_line():

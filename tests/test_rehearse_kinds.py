@@ -2,7 +2,11 @@
 tests/test_rehearse.py's: HSDP (a replicate x shard mesh), host offload, torch.compile and torchao float8.
 
 Each kind runs one rank through `meshtron rehearse`'s code (fake process group, fake tensors on
-CPU) and the planner's total must be within 5% of the rehearsed peak:
+CPU) and the planner's total must be within 5% of the rehearsed peak. The default suite holds
+the planner, priced at test time, to the FAST kinds' rehearsal recorded in
+tests/data/rehearsals/kinds-fast.json (testkit/recorded_rehearsal.py; 2026-12-07: every total
+within 1.5%); a `slow` test re-rehearses it live, the other kinds are `slow` and live; the two
+commands below rehearse live by default:
 
 * HSDP: FSDP2 shards over "dp_shard" only, so a rank holds dp_replicate times the states of
   plain ZeRO-3 over the same dp (the planner priced them over all of dp: -20%).
@@ -28,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from testkit.recorded_rehearsal import case, live_check, recorded_table
 from testkit.rehearsal import check_totals, run_kinds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,8 +122,30 @@ def _check(results: dict) -> None:
             assert compiled_gib > 0, name
 
 
+def _case(knobs: dict) -> dict:
+    """A kind of KINDS as a recorded table's case (testkit/recorded_rehearsal.py)."""
+    knobs = dict(knobs)
+    shape = {k: knobs.pop(k) for k in ("layers", "vocab") if k in knobs}
+    pp_rank = knobs.pop("pp_rank", None)
+    return case(dict(MODEL, **shape), {**BASE, **knobs}, pp_rank)
+
+
+RECORDED_TABLES = {"kinds-fast": {n: _case(KINDS[n]) for n in FAST}}
+
+
 def test_planner_agrees_with_rehearsal_on_hsdp_offload_and_fp8():
-    _check(_run_kinds(FAST))
+    """The planner priced now against the FAST kinds' recorded rehearsal
+    (tests/data/rehearsals/kinds-fast.json; the live rehearsal of the same table:
+    test_recorded_kinds_are_what_the_rehearsal_measures, slow; the rehearsal's own live
+    default checks: tests/test_rehearse.py, tests/test_rehearse_kinds.py's commands)."""
+    _check(recorded_table("tests/test_rehearse_kinds.py", "kinds-fast",
+                          RECORDED_TABLES["kinds-fast"]))
+
+
+@pytest.mark.slow
+def test_recorded_kinds_are_what_the_rehearsal_measures(tmp_path):
+    """kinds-fast.json's regeneration command, run live, writes what is committed."""
+    live_check("tests/test_rehearse_kinds.py", "kinds-fast", tmp_path)
 
 
 @pytest.mark.slow

@@ -6,7 +6,12 @@ defaults on a MoE model.
 The agreement table uses a 4-block model whose MoE terms dominate (16 experts of 512, top-4,
 hidden 1024): at 2 blocks the per-step fixed terms (gathered FSDP units at the peak) weigh as
 much as the blocks and hide what the MoE model gets right or wrong. The default suite runs three
-kinds in one process; the whole table is `slow`."""
+kinds, recorded (tests/data/rehearsals/moe-fast.json: the planner priced now against the
+rehearsal measured then, testkit/recorded_rehearsal.py; re-rehearsed live by a `slow` test);
+the whole table live is `slow`. The dense-first stages' rehearsal and the MoE layer's saved
+bytes under fake tensors are recorded too (moe-dense-first-stages.json, moe-routed-saved.json).
+The rehearsal itself keeps a live default test here: `meshtron rehearse` with its defaults on a
+MoE model."""
 
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from testkit.rehearsal import check_totals, job_result, run_jobs, run_kinds
+from testkit.recorded_rehearsal import case, live_check, recorded_table, recorded_values
+from testkit.rehearsal import check_totals, run_kinds
 
 from meshtron.model.moe import StaticCounts
 
@@ -75,23 +81,21 @@ def _check(results: dict) -> None:
     check_totals(results, "MoE rehearsal", digits=4)
 
 
-@pytest.fixture(scope="module")
-def default_jobs() -> dict:
-    """The default suite's fake-tensor scripts of this file in one child process (one torch
-    import and rehearsal setup instead of four); each test reads its own result. SAVED sets
-    bf16 as torch's default dtype: run_jobs restores fp32 after each job."""
-    no_shared = {"moe_shared_experts": 0}
-    model, knobs = KINDS["ds ep+pp 1f1b"]
-    return run_jobs({
-        "fast kinds": (RUN_KINDS, [BASE, {n: KINDS[n] for n in FAST}]),
-        "dense-first stages": (RUN_STAGES, [BASE, model, knobs]),
-        "saved softmax": (SAVED, {**MOE, **no_shared}),
-        "saved sigmoid+shared": (SAVED, {**DS, **no_shared}),
-    })
+RECORDED_TABLES = {"moe-fast": {n: case(KINDS[n][0], {**BASE, **KINDS[n][1]}) for n in FAST}}
 
 
-def test_planner_agrees_with_moe_rehearsal_on_three_layout_kinds(default_jobs):
-    _check(job_result(default_jobs, "fast kinds"))
+def test_planner_agrees_with_moe_rehearsal_on_three_layout_kinds():
+    """The planner priced now against the FAST kinds' recorded rehearsal (moe-fast.json):
+    +0.1%, +0.8%, +4.2% (zero-3 no ep, 2 blocks: the closest to the bound) at the recording
+    (2026-12-07)."""
+    _check(recorded_table("tests/test_rehearse_moe.py", "moe-fast", RECORDED_TABLES["moe-fast"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["moe-fast", "moe-dense-first-stages", "moe-routed-saved"])
+def test_recorded_moe_kinds_are_what_the_rehearsal_measures(name, tmp_path):
+    """A recording's regeneration command, run live, writes what is committed."""
+    live_check("tests/test_rehearse_moe.py", name, tmp_path)
 
 
 @pytest.mark.slow
@@ -119,12 +123,21 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def test_a_stage_of_dense_first_blocks_is_priced_as_its_own_blocks(default_jobs):
+RECORDED_TABLES["moe-dense-first-stages"] = {
+    f"pp rank {r}": case(KINDS["ds ep+pp 1f1b"][0], {**BASE, **KINDS["ds ep+pp 1f1b"][1]}, r)
+    for r in range(2)}
+
+
+def test_a_stage_of_dense_first_blocks_is_priced_as_its_own_blocks():
     """DeepSeek-style dense first block under ep + pp: pipeline rank 0 holds one dense and one
     MoE block, rank 1 two MoE blocks; the planner prices each stage's own blocks (parameters
     and the routed activations, moe_memory.stage_blocks), both within 5% of the rehearsal
-    (every stage priced as MoE blocks, rank 0 read +15.3% and rank 1 -4.2%)."""
-    for pp_rank, rows in enumerate(job_result(default_jobs, "dense-first stages")):
+    (every stage priced as MoE blocks, rank 0 read +15.3% and rank 1 -4.2%; -0.6% and +2.0% at
+    the recording, 2026-12-07). The rehearsal is recorded (moe-dense-first-stages.json;
+    re-rehearsed live by test_recorded_moe_kinds_are_what_the_rehearsal_measures, slow)."""
+    name = "moe-dense-first-stages"
+    got = recorded_table("tests/test_rehearse_moe.py", name, RECORDED_TABLES[name])
+    for pp_rank, rows in enumerate(got.values()):
         rehearsed, planned = rows["total"]
         assert rows["optimizer"][0] == pytest.approx(rows["optimizer"][1], rel=0.05), pp_rank
         assert planned / rehearsed - 1 == pytest.approx(0.0, abs=0.05), (pp_rank, rows)
@@ -160,23 +173,42 @@ def test_static_counts_sum_to_the_slots_and_load_the_hot_experts():
         StaticCounts(0.5)
 
 
-SAVED = """
-import json, sys, torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from meshtron.model.moe import MoE, StaticCounts
-from meshtron.model.spec import ModelSpec
-from meshtron.planner.moe_memory import routed_saved_bytes
-spec = ModelSpec(**json.loads(sys.argv[1]))
-tokens = 2048
-torch.set_default_dtype(torch.bfloat16)
-with FakeTensorMode(allow_non_fake_inputs=True):
-    layer = MoE(spec)
-    layer.counts_policy = StaticCounts()
-    layer.experts.kernel = "grouped"  # what a bf16 GPU run uses
-    x = torch.empty(2, tokens // 2, spec.hidden, requires_grad=True)
-    normed = x * 1.0  # the block's normed input (saved by the gate: the dense part's bytes)
-    out = layer(normed)
-    weights = {id(p) for p in layer.parameters()}
+SAVED_MODELS = {"softmax": MOE, "sigmoid+shared": DS}
+SAVED_TOKENS = 2048
+
+
+def routed_autograd_saved_bytes(key: str) -> int:
+    """Bytes the MoE layer of SAVED_MODELS[key] (shared experts off) saves for backward under
+    fake tensors, bf16, SAVED_TOKENS tokens, no expert parallelism, the grouped kernel (what a
+    bf16 GPU run uses): every saved tensor of its autograd graph that is not a weight or a view
+    of one, deduplicated by storage, less the layer's input (the dense part's bytes). A byte
+    count: the same on every run of the same code and torch."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from meshtron.model.moe import MoE
+    from meshtron.model.spec import ModelSpec
+
+    spec = ModelSpec(**{**SAVED_MODELS[key], "moe_shared_experts": 0})
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            layer = MoE(spec)
+            layer.counts_policy = StaticCounts()
+            layer.experts.kernel = "grouped"
+            x = torch.empty(2, SAVED_TOKENS // 2, spec.hidden, requires_grad=True)
+            normed = x * 1.0  # the block's normed input (saved by the gate)
+            out = layer(normed)
+            saved = _saved_storages(out, {id(p) for p in layer.parameters()})
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return sum(saved.values()) - SAVED_TOKENS * spec.hidden * 2  # less `normed`
+
+
+def _saved_storages(out, weights: set) -> dict:
+    """{storage id: bytes} of what `out`'s autograd graph saves, weights and their views out."""
+    import torch
+
     seen, stack, saved = set(), [out.grad_fn], {}
     while stack:
         fn = stack.pop()
@@ -191,17 +223,25 @@ with FakeTensorMode(allow_non_fake_inputs=True):
                 continue  # a weight, or a view of one (the transposed expert matrices)
             saved[id(t.untyped_storage())] = t.untyped_storage().nbytes()
         stack += [f for f, _ in fn.next_functions]
-    got = sum(saved.values()) - tokens * spec.hidden * 2  # less `normed`
-    want = routed_saved_bytes(spec, tokens, 1, 1, 1.0, 2.0, "eager")
-print("RESULT" + json.dumps([got, want]))
-"""
+    return saved
 
 
-@pytest.mark.parametrize("model", ["softmax", "sigmoid+shared"])
-def test_routed_saved_bytes_are_what_autograd_saves(default_jobs, model):
+RECORDED_MEASURES = {"moe-routed-saved": (routed_autograd_saved_bytes, list(SAVED_MODELS))}
+
+
+@pytest.mark.parametrize("model", list(SAVED_MODELS))
+def test_routed_saved_bytes_are_what_autograd_saves(model):
     """moe_memory's op list against the MoE layer's autograd graph (fake tensors, one layer, no
-    expert parallelism): the routed part's saved bytes exactly, shared experts aside."""
-    got, want = job_result(default_jobs, f"saved {model}")
+    expert parallelism): the routed part's saved bytes exactly, shared experts aside. The
+    graph's bytes are recorded (moe-routed-saved.json, `routed_autograd_saved_bytes`;
+    measured live by test_recorded_moe_kinds_are_what_the_rehearsal_measures, slow); the
+    planner's are computed now."""
+    from meshtron.model.spec import ModelSpec
+    from meshtron.planner.moe_memory import routed_saved_bytes
+
+    got = recorded_values("tests/test_rehearse_moe.py", "moe-routed-saved", SAVED_MODELS)[model]
+    spec = ModelSpec(**{**SAVED_MODELS[model], "moe_shared_experts": 0})
+    want = routed_saved_bytes(spec, SAVED_TOKENS, 1, 1, 1.0, 2.0, "eager")
     assert got == pytest.approx(want, rel=0.01)
 
 
