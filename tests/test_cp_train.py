@@ -3,8 +3,9 @@
 
 Default suite, one 4-rank gloo launch: cp=2 x dp=2 (FSDP ZeRO-3 over dp_shard x cp) with packed
 documents crossing every chunk boundary on a Gemma-3-style windowed model (WINDOW_MODEL; its
-global blocks run the plain document path), and cp=2 x tp=2 with sequence parallelism (ZeRO-2), train 3 AdamW steps each
-(gradient clipping active) and must give the single-process run's losses, gradient norms and
+global blocks run the plain document path), and cp=2 x tp=2 with sequence parallelism (ZeRO-2), train 2 AdamW steps each
+(gradient clipping active; DEFAULT_STEPS_CFG: the second step is the first on parameters and
+moments the optimizer wrote into each layout's shards, a third repeated it; session 53) and must give the single-process run's losses, gradient norms and
 every parameter to 1e-5 relative (the sweep's tolerance, tests/test_parallel.py); the same
 launch counts one step's collectives against the planner (FSDP2's: `step_collectives`;
 attention's K/V all-gathers and reduce-scatters: counts and bytes). One 2-rank `meshtron train
@@ -64,6 +65,8 @@ SLOW_LAYOUTS = [
     dict(cp=4, zero=3, model=WINDOW_MODEL),  # chunks of 2 tokens, windows of 3
 ]
 """`make test-slow`: more compositions, with the DCP resume at cp=1."""
+DEFAULT_STEPS_CFG = dict(DEFAULT_CFG, steps=2)
+"""The default launch's cfg: DEFAULT_CFG with 2 steps (module docstring); the slow one keeps 3."""
 SAVE = dict(cp=2, dp=2, zero=3)
 RESUME = {"dp4": dict(dp=4, zero=3), "tp2dp2": dict(tp=2, dp=2, zero=3, sp=True)}
 
@@ -156,8 +159,8 @@ def cp_rank_fn(cfg, layouts, ckpt_dir=None):
 
 
 def test_cp_layouts_match_one_process_and_count_collectives():
-    results = run_on_ranks(cp_rank_fn, 4, DEFAULT_CFG, LAYOUTS, timeout=600)
-    _check_layouts(results, LAYOUTS)
+    results = run_on_ranks(cp_rank_fn, 4, DEFAULT_STEPS_CFG, LAYOUTS, timeout=600)
+    _check_layouts(results, LAYOUTS, DEFAULT_STEPS_CFG)
     _check_collectives(results)
 
 
@@ -165,7 +168,7 @@ def test_cp_layouts_match_one_process_and_count_collectives():
 def test_cp_more_layouts_and_resume_at_cp1(tmp_path):
     results = run_on_ranks(cp_rank_fn, 4, DEFAULT_CFG, SLOW_LAYOUTS, str(tmp_path / "ckpt"),
                            timeout=1200)
-    _check_layouts(results, SLOW_LAYOUTS)
+    _check_layouts(results, SLOW_LAYOUTS, DEFAULT_CFG)
     for r in results:
         d = r["dcp"]
         for name in RESUME:
@@ -175,13 +178,14 @@ def test_cp_more_layouts_and_resume_at_cp1(tmp_path):
             assert diff <= TOL, (name, diff)
 
 
-def _check_layouts(results, layouts):
+def _check_layouts(results, layouts, cfg):
+    """Every layout against the one-process run of `cfg` (the cfg the ranks trained)."""
     refs: dict[tuple, dict] = {}
 
     def reference(layout):
         key = (bool(layout.get("documents")), bool(layout.get("model")))
         if key not in refs:
-            refs[key] = reference_run(layout_cfg(DEFAULT_CFG, layout)[0])
+            refs[key] = reference_run(layout_cfg(cfg, layout)[0])
         return refs[key]
 
     report = compare(reference, [r["layouts"] for r in results])

@@ -73,6 +73,8 @@ def _tokens(seed: int = 3) -> torch.Tensor:
 
 
 LAYOUTS = [dict(tp=2, dp=2, zero=3, sp=True), dict(pp=2, dp=2, zero=1, schedule="1f1b")]
+TRAIN_STEPS = 1
+"""AdamW steps between the loaded and the trained logits (hf_rank_fn)."""
 ROUND_TRIP = dict(tp=2, pp=2, schedule="1f1b")  # one step at lr 0, then export
 
 
@@ -108,9 +110,12 @@ def parallel_logits(pm, tokens):
 
 def hf_rank_fn(checkpoints: dict[str, str], layouts: list[dict], out_dir: str,
                round_trip: bool) -> list[dict]:
-    """Per checkpoint and layout: logits after loading, then 3 AdamW steps, the logits again
+    """Per checkpoint and layout: logits after loading, then one AdamW step, the logits again
     and an export of the trained weights. Last (`round_trip`): the llama checkpoint on
-    tp=2 x pp=2, one step with lr 0, exported."""
+    tp=2 x pp=2, one step with lr 0, exported. One step (three before session 53): what is
+    checked is that the export carries the trained shards, not the loaded ones; one update
+    moves every weight (AdamW's first step is ~lr per element), more steps only repeated it
+    (training equivalence is tests/test_parallel.py's)."""
     import torch.distributed as dist
 
     from meshtron.hf import export_parallel, load_into
@@ -137,7 +142,7 @@ def hf_rank_fn(checkpoints: dict[str, str], layouts: list[dict], out_dir: str,
             opt = build_optimizer(pm, lr=1e-3)
             dp, r = data_mesh(mesh).size(), data_mesh(mesh).get_local_rank()
             rows = batch.shape[1] // dp
-            for step in range(3):
+            for step in range(TRAIN_STEPS):
                 x = batch[step, r * rows:(r + 1) * rows]
                 pm.forward_backward(x[:, :-1], x[:, 1:])
                 opt.step()
