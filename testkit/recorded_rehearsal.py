@@ -90,22 +90,16 @@ def _rank(row: dict, plan, spec) -> int | None:
 
 def priced(row: dict, pp_rank: int, ran_eager: bool) -> dict[str, float]:
     """The planner's rows (compare.ROWS, GiB) for a case's pipeline rank `pp_rank`, as
-    meshtron/rehearse/run.py `rehearse` prices them on the CPU's kernels: the saved stack's
-    options, the default expert imbalance, the runtime's layer split, eager where the
-    rehearsal ran the blocks eagerly (`ran_eager`)."""
-    import dataclasses
-
+    meshtron/rehearse/run.py `rehearse` prices them on the CPU's kernels, through the same
+    pieces (compare.pricing: the saved stack, its expert imbalance, the runtime's layer
+    split; compare.as_ran: eager where the rehearsal ran the blocks eagerly)."""
     from meshtron.planner.cluster import resolve_cluster
-    from meshtron.planner.compute import DEFAULT_IMBALANCE
     from meshtron.rehearse import compare
 
     spec = _spec(row["model"])
-    plan = compare.with_layer_split(_plan(row, spec), spec)
-    fw = compare.saved_framework(plan, spec)
-    imbalance = DEFAULT_IMBALANCE if fw is None else fw.kernel.expert_imbalance
-    if ran_eager:
-        plan = dataclasses.replace(plan, compile=False, async_tp=False)
-    bd = compare.planner_estimate(spec, resolve_cluster(CLUSTER), plan, DEVICE, imbalance,
+    plan, fw, imbalance = compare.pricing(_plan(row, spec), spec)
+    bd = compare.planner_estimate(spec, resolve_cluster(CLUSTER),
+                                  compare.as_ran(plan, ran_eager), DEVICE, imbalance,
                                   stage=pp_rank, framework=fw).memory
     return compare.planner_rows(bd)
 

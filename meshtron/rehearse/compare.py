@@ -173,6 +173,24 @@ def cpu_kernels_extra(spec, cluster, plan, pp_rank: int, imbalance: float | None
     return max(0.0, cpu.allocated - gpu.allocated)
 
 
+def pricing(plan, spec, imbalance: float | None = None):
+    """(the plan with the runtime's layer split, the saved stack or None, the expert
+    imbalance both sides use: `imbalance`, else the stack's or the planner's default): what
+    the planner's column of a rehearsal prices (run.py `rehearse`; tests' recorded tables)."""
+    from meshtron.planner.compute import DEFAULT_IMBALANCE
+
+    fw = saved_framework(plan, spec)
+    if imbalance is None:
+        imbalance = DEFAULT_IMBALANCE if fw is None else fw.kernel.expert_imbalance
+    return with_layer_split(plan, spec), fw, imbalance
+
+
+def as_ran(plan, ran_eager: bool):
+    """The plan the rehearsal's blocks ran: without compile (and its async TP) where they ran
+    eagerly (rank.py's "compile" note)."""
+    return dataclasses.replace(plan, compile=False, async_tp=False) if ran_eager else plan
+
+
 def with_stage_breakdown(est, plan, spec, cluster, device: str, pp_rank: int,
                          imbalance: float | None = None, framework=None):
     """The planner's breakdown of pipeline rank `pp_rank` (est.memory is the fullest one's):

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Any
 
@@ -34,13 +33,9 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None,
     (default: on CUDA only; see rank.rehearse_rank). A plan saved for another stack
     (Plan.framework) is run on meshtron's runtime and priced, in the planner's column, as
     that stack with its options: what `meshtron plan` priced."""
-    from meshtron.planner.compute import DEFAULT_IMBALANCE
     from meshtron.rehearse import compare
 
-    fw = compare.saved_framework(plan, model)
-    if imbalance is None:
-        imbalance = DEFAULT_IMBALANCE if fw is None else fw.kernel.expert_imbalance
-    plan = compare.with_layer_split(plan, model)
+    plan, fw, imbalance = compare.pricing(plan, model, imbalance)
     est = compare.planner_estimate(model, cluster, plan, device, imbalance, framework=fw)
     if rank is None:
         rank = compare.first_rank_of_stage(plan, est.memory.stage)
@@ -53,9 +48,9 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None,
 
     got = rehearse_rank(model, compare.runnable(plan), rank, device, imbalance, real)
     compiled = bd
-    if "compile" in got:  # the blocks ran eagerly: set beside the planner's eager pricing
-        eager = dataclasses.replace(plan, compile=False, async_tp=False)
-        bd = compare.planner_estimate(model, cluster, eager, device, imbalance,
+    ran = compare.as_ran(plan, "compile" in got)
+    if ran is not plan:  # the blocks ran eagerly: set beside the planner's eager pricing
+        bd = compare.planner_estimate(model, cluster, ran, device, imbalance,
                                       stage=pp_rank, framework=fw).memory
     rows = compare.rows_table(compare.rehearsal_rows(got["peak_bytes"]),
                               compare.planner_rows(bd))
@@ -70,7 +65,6 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None,
                                        framework=fw)
         report["planner_gpu_total_gib"] = gpu.memory.total
         planned = gpu
-        ran = eager if "compile" in got else plan  # the plan bd prices
         workspace = compare.planner_estimate(model, cluster, ran, "cuda", imbalance,
                                              stage=pp_rank, framework=fw).memory.workspace
         cpu_kernels = compare.cpu_kernels_extra(model, cluster, ran, pp_rank, imbalance,
