@@ -417,3 +417,18 @@ def test_last_stage_keeps_each_chunked_loss_to_its_weight_pass(p):
         without, with_saved = memory_zb.held(*at, 0.0), memory_zb.held(*at, 100.0)
         assert with_saved[0] == without[0]
         assert with_saved[1] - without[1] == pytest.approx(p * 100.0)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_zb1p_moments_of_more_rounds_are_those_of_5p(p):
+    """ZB1P with v >= 3 runs rounds of p micro-batches once m is a multiple of p: memory_zb.held
+    walks 5p of them however many the step has (the steady state repeats: a test, not an
+    assumption)."""
+    from meshtron.planner.memory_zb import _moments, _walked
+
+    for v in (3, 4, 6):
+        for m in (6 * p, 9 * p, 16 * p):
+            assert _walked(p, v, m) == 5 * p
+            for folds in (False, True):
+                assert all(_moments(p, v, m, r, folds) == _moments(p, v, 5 * p, r, folds)
+                           for r in range(p)), (p, v, m, folds)

@@ -50,14 +50,14 @@ def _counting_walks(monkeypatch) -> list[int]:
     from meshtron.planner import pipeline_zb
 
     walked: list[int] = []
-    real = pipeline_zb.walk
+    real = pipeline_zb._ends
 
-    def walk(p, v, m, *args, **kwargs):
+    def ends(p, v, m, *args, **kwargs):
         walked.append(m)
         return real(p, v, m, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline_zb, "walk", walk)
-    for memo in (pipeline_zb._interleaved_walk, pipeline_zb._zb_walk, pipeline_zb._program,
+    monkeypatch.setattr(pipeline_zb, "_ends", ends)
+    for memo in (pipeline_zb._span_and_shift, pipeline_zb._rank_chains, pipeline_zb._program,
                  pipeline_zb.interleaved_bubble, pipeline_zb.stage_bubble,
                  pipeline_zb.chunk_bubble):
         memo.cache_clear()
@@ -68,7 +68,8 @@ def test_an_unsettled_interleaved_idle_costs_a_few_walks_of_the_step(monkeypatch
     """Llama-3-70B's chunks on pp=8 x interleaved:3 (the embedding on stage 0, the head on the
     last), 1024 micro-batches: the idle never settles, and the walks of 2p, 3p, ... p more at a
     time up to m cost 66,040 walked micro-batches (quadratic in m); doubling between checks
-    costs a few walks of m, for the same answer as the walk of all m."""
+    cost a few walks of m; the idle grows by the same every round, carried to m from walks of
+    a few rounds: fewer than m in all, for the same answer as the walk of all m."""
     from meshtron.planner import pipeline_zb
 
     walked = _counting_walks(monkeypatch)
@@ -78,7 +79,7 @@ def test_an_unsettled_interleaved_idle_costs_a_few_walks_of_the_step(monkeypatch
               for s, n in enumerate(layers))
     b = tuple(2.084 * x for x in f)
     got = pipeline_zb.interleaved_bubble(m, f, b, p)
-    assert sum(walked) <= 4 * m, walked
+    assert sum(walked) <= m, walked  # rounds of p, the idle's growth per round carried to m
     worst = max(sum(f[s] + b[s] for s in range(r, p * v, p)) for r in range(p))
     full = pipeline_zb.walk(p, v, m, list(f), list(b), [0.0] * (p * v),
                             schedule="interleaved") - m * worst
@@ -89,13 +90,17 @@ def test_a_pinned_interleaved_layout_of_many_micro_batches_answers_in_seconds(mo
                                                                               capsys):
     """`meshtron plan --model llama3-70b --cluster dgx-h100:2 --global-batch 1024 --seq-len
     8192` ran for minutes (16 GPUs, up to 1024 micro-batches per step); this pinned layout of
-    it took 48 s on a loaded 2-core machine (694,680 walked micro-batches), 4 s after."""
+    it took 48 s on a loaded 2-core machine (694,680 walked micro-batches), 4 s after doubling
+    the walks (session 48: 142,000 walked micro-batches); 23,000 once the walk of a few rounds
+    is carried to m by the shift a round adds (session 54)."""
     walked = _counting_walks(monkeypatch)
     assert main(["plan", "--model", "llama3-70b", "--cluster", "dgx-h100:2", "--global-batch",
                  "1024", "--seq-len", "8192", "--layout", "tp=2,pp=8,dp=1", "--schedule",
                  "interleaved:5", "--micro-batch", "1", "--json"]) == 0
     assert '"step_time_s"' in capsys.readouterr().out
-    assert max(walked) == 1024 and sum(walked) < 150_000, (len(walked), sum(walked))
+    # no walk of the step's 1024 micro-batches: 8 rounds of p = 8, doubled while a round
+    # does not yet shift every operation alike (22,944 in all)
+    assert max(walked) < 1024 and sum(walked) < 30_000, (len(walked), sum(walked))
 
 
 def test_a_multimodal_config_points_at_its_text_model(capsys, tmp_path):

@@ -225,9 +225,10 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
     its peak, stage 1's last B, no bf16 weight gradient is alive and no tensor of a block's
     backward but B's own norm backward."""
     last = p * v - 1
-    # one stage per rank and the V: the steady state repeats, so the moments of 4p
-    # micro-batches are those of any more (checked for p <= 16: tests/test_memory_zb.py)
-    stages, moments, at_loss = _moments(p, v, min(m, 4 * p) if v <= 2 else m, rank, folds)
+    # the steady state repeats, so the moments of a few rounds of p micro-batches are those
+    # of any more: 4p for one stage per rank and the V, 5p for ZB1P's rounds of p (m a
+    # multiple of p; checked: tests/test_memory_zb.py)
+    stages, moments, at_loss = _moments(p, v, _walked(p, v, m), rank, folds)
     # per stage of the rank, per micro-batch in flight (F..W), waiting (B..W), per stage
     # holding a W's gradients, W at its peak, a rooted stage's W holding its root unit's
     # gradient (the first's whole backward, the last's W end): (layer bytes,
@@ -264,6 +265,13 @@ def held(p: int, v: int, m: int, rank: int, layers: tuple[int, ...], act: float,
             if lay + oth > sum(best):
                 best = (lay, oth)
     return best if best[1] > float("-inf") else (0.0, 0.0)
+
+
+def _walked(p: int, v: int, m: int) -> int:
+    """The micro-batches of torch's 'zb' order whose moments are those of m (`held`)."""
+    if v <= 2:
+        return min(m, 4 * p)
+    return m if m % p else min(m, 5 * p)  # else rounds of m // (m // p): their own order
 
 
 @lru_cache(maxsize=8192)

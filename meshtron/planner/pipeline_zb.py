@@ -158,6 +158,16 @@ def walk(p: int, v: int, m: int, f: list[float], b: list[float], w: list[float],
     whole backward, w unused), per virtual stage forward f, input gradient b and weight
     gradient w of one micro-batch; a transfer between ranks delays its receiver by `hop` (a
     rank's own sends never hold it: the runtime waits on them at the step's end)."""
+    return max(_ends(p, v, m, f, b, w, hop, schedule))
+
+
+def _ends(p: int, v: int, m: int, f: list[float], b: list[float], w: list[float],
+         hop: float = 0.0, schedule: str = "zb") -> list[float]:
+    """End time of every operation of torch's 'zb' orders (`_program`'s numbering: operation i
+    ends at [i + 1], [0] is 0: "no operation") (`schedule` 'interleaved': its interleaved 1F1B, b the
+    whole backward, w unused), per virtual stage forward f, input gradient b and weight
+    gradient w of one micro-batch; a transfer between ranks delays its receiver by `hop` (a
+    rank's own sends never hold it: the runtime waits on them at the step's end)."""
     dur = [*f, *b, *w]  # indexed by kind * p v + stage (`_program`)
     keys, prevs, deps = _program(p, v, m, schedule)
     end = [0.0]  # end[0]: "no operation" (index 0 in prevs/deps); operation i ends at end[i + 1]
@@ -170,7 +180,7 @@ def walk(p: int, v: int, m: int, f: list[float], b: list[float], w: list[float],
         for k, a, d in zip(keys, prevs, deps):
             start, ready = end[a], end[d]
             append((start if start > ready else ready) + dur[k])
-    return max(end)
+    return end
 
 
 @lru_cache(maxsize=2048)
@@ -328,10 +338,10 @@ def stage_bubble(v: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
     otherwise the walk of torch's order with each rank's work split evenly over its chunks
     (cached: the plans a search compares often differ only in what the pipeline does not
     see, the ZeRO stage or the data parallelism).
-    Its bubble stops changing with m once the ranks' slack has settled (a few rounds of p
-    micro-batches: tests/test_pipeline_zb.py compares with the walk of all m), so the walk
-    grows p micro-batches at a time until it stops changing; ZB1P with v >= 3 repeats its
-    rounds of m // max(1, m // p) and is walked whole."""
+    Past a few rounds of p micro-batches every round shifts the step by the same time, so
+    the walk of a few rounds prices any m (`_long_idle`; tests/test_pipeline_zb.py compares
+    with the walk of all m); ZB1P with v >= 3 and m not a multiple of p repeats rounds of
+    m // (m // p) and is walked whole."""
     p = len(f)
     t = [x + y + z for x, y, z in zip(f, b, w)]
     if p <= 1:
@@ -364,17 +374,9 @@ def chunk_bubble(v: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
 def _settled_idle(p: int, v: int, m: int, per: tuple, worst: float) -> float:
     """Idle of the walk of torch's order with per-stage times `per` beyond m times the
     slowest rank's work `worst` (`stage_bubble`'s docstring: how many micro-batches)."""
-
-    key = tuple(tuple(x) for x in per)
-
-    def idle(runs: int) -> float:
-        return _zb_walk(p, v, runs, key) - runs * worst
-
-    if v >= 3:
-        return max(0.0, idle(m))
-    # the ranks' slack settles after a few rounds of p micro-batches: walk until it stops
-    # changing (equal ranks settle at once: p for ZB1P, 2p - 1 for the V)
-    return _until_settled(idle, min(m, 2 * p - 1 if v == 2 else p), m, p, worst)
+    if v >= 3 and m % p:  # rounds of m // (m // p) micro-batches: walked whole
+        return max(0.0, walk(p, v, m, *per) - m * worst)
+    return _long_idle(p, v, m, "zb", tuple(tuple(x) for x in per), worst)
 
 
 @lru_cache(maxsize=1024)
@@ -387,50 +389,99 @@ def interleaved_bubble(m: int, f: tuple[float, ...], b: tuple[float, ...], p: in
     distinct chunk-time sets)."""
     v = len(f) // p
     worst = max(sum(f[s] + b[s] for s in range(r, p * v, p)) for r in range(p))
-
-    def idle(runs: int) -> float:
-        return _interleaved_walk(p, v, runs, f, b) - runs * worst
-
-    if m % p or m < 3 * p:  # rounds of m // (m // p): walked whole
-        return max(0.0, idle(m))
-    # whole rounds of p: the idle settles once the slowest rank's slack has (as
-    # `_settled_idle`); every shorter walk keeps rounds of p
-    return _until_settled(idle, 2 * p, m, p, worst)
+    if m % p:  # rounds of m // (m // p): walked whole
+        return max(0.0, walk(p, v, m, list(f), list(b), [0.0] * (p * v),
+                             schedule="interleaved") - m * worst)
+    return _long_idle(p, v, m, "interleaved", (f, b, (0.0,) * (p * v)), worst)
 
 
-@lru_cache(maxsize=8192)
-def _zb_walk(p: int, v: int, runs: int, per: tuple[tuple[float, ...], ...]) -> float:
-    """`walk` of torch's 'zb' order over `runs` micro-batches with per-stage times `per`
-    (f, b, w), memoised apart from `_settled_idle`'s m, as `_interleaved_walk` (session 48)."""
-    return walk(p, v, runs, *(list(x) for x in per))
+def _long_idle(p: int, v: int, m: int, schedule: str, per: tuple, worst: float) -> float:
+    """The idle of m micro-batches, at least 0, from the walk of a few rounds of p.
 
+    The order is a warm-up, rounds of p micro-batches repeated, and a drain; the warm-up and
+    the drain do not change with m (`_zb1p_order` and `interleaved_orders` once m is a
+    multiple of p; `_zbv_order` and one stage per rank repeat every micro-batch), so the
+    order of m + p micro-batches is that of m with one round more before the drain. Once
+    every operation of three successive rounds on every rank ends a fixed time after its
+    namesake of the round before (`_round_shift`), every later one does: its inputs, its
+    rank's previous operation and another rank's output of the same micro-batch, lie within
+    that window or after it and are shifted alike (max and + commute with adding a
+    constant: the round map is max-plus linear, Baccelli et al., "Synchronization and
+    Linearity", 1992, ch. 3). The drain then ends the same shift later per round added, so
+    the makespan of m is that of a short walk plus the whole rounds times the shift, exactly
+    but for rounding. Checking only the makespan is not enough: it can fall by a round's
+    worth for rounds and then stop (one stage per rank, p = 4, a slow first stage: the
+    idle drops 0.40 per micro-batch to micro-batch 18, then holds), or grow with m (a
+    chain across ranks slower than any rank's own work: Llama-3-8B at pp=8 x interleaved:3
+    on 32 GPUs, +0.93 s every 16 micro-batches, which the search walked to 32,768
+    micro-batches: minutes and gigabytes).
 
-@lru_cache(maxsize=8192)
-def _interleaved_walk(p: int, v: int, runs: int, f: tuple[float, ...],
-                      b: tuple[float, ...]) -> float:
-    """`walk` of torch's interleaved 1F1B over `runs` micro-batches (no weight pass apart:
-    b the whole backward), memoised apart from `interleaved_bubble`'s m: its walks of 2p,
-    3p, ... micro-batches until the idle settles are the same for every m they stop below,
-    so plans of other data-parallel degrees (other m, same chunk times; the sweeps of
-    `meshtron simulate` search many) reuse them (session 48)."""
-    return walk(p, v, runs, list(f), list(b), [0.0] * (p * v), schedule="interleaved")
-
-
-def _until_settled(idle, runs: int, m: int, p: int, worst: float) -> float:
-    """idle(runs) against idle(runs + p) (p micro-batches more), until the two agree (the
-    slowest rank's slack has settled): that value, at least 0; idle(m) when they never agree
-    below m. Between checks `runs` doubles: a walk of n micro-batches costs O(n), so stepping
-    p at a time cost O(m^2 / p) where the slack takes many rounds to settle (llama3-70b on 16
-    GPUs, 512 micro-batches of pp=8 x interleaved:8: 63 walks, minutes of the search);
-    doubling costs a few walks of m. The walks stay independent of m (but the last), so
-    plans of other data-parallel degrees reuse them (`_interleaved_walk`)."""
+    Walks of 8p micro-batches first, doubling until the shift is uniform (the walk of m
+    when it never is below m); they stay independent of m (but that last), so plans of
+    other data-parallel degrees (other m, same chunk times; the sweeps of `meshtron
+    simulate` search many) reuse them (`_span_and_shift`)."""
+    runs = 8 * p
     while runs < m:
-        nxt = min(m, runs + p)
-        now = idle(nxt)
-        if abs(now - idle(runs)) <= 1e-12 * nxt * worst:
-            return max(0.0, now)
-        runs = 2 * runs
-    return max(0.0, idle(m))
+        span, shift = _span_and_shift(p, v, runs, schedule, per)
+        if shift is not None:
+            rounds, rest = divmod(m - runs, p)
+            if rest:  # one stage per rank or the V: it repeats every micro-batch
+                span = _span_and_shift(p, v, runs + rest, schedule, per)[0]
+            return max(0.0, span + rounds * shift - m * worst)
+        runs *= 2
+    return max(0.0, walk(p, v, m, *(list(x) for x in per), schedule=schedule) - m * worst)
+
+
+@lru_cache(maxsize=8192)
+def _span_and_shift(p: int, v: int, runs: int, schedule: str,
+                    per: tuple[tuple[float, ...], ...]) -> tuple[float, float | None]:
+    """(The makespan of `runs` micro-batches, `_round_shift` of its walk), memoised apart from
+    `_long_idle`'s m (session 48's walks of 2p, 3p, ... were too)."""
+    end = _ends(p, v, runs, *(list(x) for x in per), schedule=schedule)
+    return max(end), _round_shift(p, v, runs, schedule, end)
+
+
+def _round_shift(p: int, v: int, runs: int, schedule: str, end: list[float]) -> float | None:
+    """The time by which every operation of rounds 3..5 from the end of each rank's order (a
+    round: p micro-batches, 2 v p operations per rank for interleaved 1F1B, 3 v p for 'zb')
+    ends after its namesake a round earlier, when that is one time for every rank and
+    operation (to 1e-12 of the step); None otherwise, or when the walk is too short to hold
+    them after the warm-up. A rank's drain (its last backwards and weight passes) is shorter
+    than a round: interleaved at most (v - 1) p + 2 (p - 1) backwards, ZB1P that many input
+    and weight gradients and r weight passes more, the V 2p + 3 (p - r)."""
+    per = (2 if schedule == "interleaved" else 3) * v * p
+    chains = _rank_chains(p, v, runs, schedule)
+    if min(len(c) for c in chains) < 6 * per:
+        return None
+    tol = 1e-12 * max(end)
+    shift = end[chains[0][-2 * per]] - end[chains[0][-3 * per]]
+    for chain in chains:
+        n = len(chain)
+        for j in range(n - 5 * per, n - 2 * per):
+            if abs(end[chain[j + per]] - end[chain[j]] - shift) > tol:
+                return None
+    return shift
+
+
+@lru_cache(maxsize=256)
+def _rank_chains(p: int, v: int, m: int, schedule: str = "zb") -> tuple[tuple[int, ...], ...]:
+    """Per pipeline rank, the indices into `_ends` of its operations in the order it runs
+    them (from `_program`'s previous-operation links)."""
+    _, prevs, _ = _program(p, v, m, schedule)
+    after = [0] * (len(prevs) + 1)
+    firsts = []
+    for i, prev in enumerate(prevs, start=1):
+        if prev:
+            after[prev] = i
+        else:
+            firsts.append(i)
+    chains = []
+    for i in firsts:
+        chain = [i]
+        while after[chain[-1]]:
+            chain.append(after[chain[-1]])
+        chains.append(tuple(chain))
+    return tuple(chains)
 
 
 def interleaved_idle_floor(m: int, f: tuple[float, ...], b: tuple[float, ...], p: int) -> float:
