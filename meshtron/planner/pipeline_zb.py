@@ -416,11 +416,11 @@ def _long_idle(p: int, v: int, m: int, schedule: str, per: tuple, worst: float) 
     on 32 GPUs, +0.93 s every 16 micro-batches, which the search walked to 32,768
     micro-batches: minutes and gigabytes).
 
-    Walks of 8p micro-batches first, doubling until the shift is uniform (the walk of m
+    Walks of 6p micro-batches first, doubling until the shift is uniform (the walk of m
     when it never is below m); they stay independent of m (but that last), so plans of
     other data-parallel degrees (other m, same chunk times; the sweeps of `meshtron
     simulate` search many) reuse them (`_span_and_shift`)."""
-    runs = 8 * p
+    runs = 6 * p  # the fewest `_round_shift` reads
     while runs < m:
         span, shift = _span_and_shift(p, v, runs, schedule, per)
         if shift is not None:
