@@ -10,7 +10,13 @@ reorders fp32 sums, ~1e-7 relative per op). The compiled run of the default test
 tests/guard/sitecustomize.py: every rank compares torch with its start-up snapshot at every
 batch and must find nothing patched (tests/test_no_torch_patching.py has the static and
 import-time halves). Default suite: tp=2 with sequence parallelism (DTensor's collectives
-inside compiled blocks). Slow: tp=2 without SP, tp=2 x dp=2 at ZeRO-0..3, and `--no-recorder`.
+inside compiled blocks) against the eager one-process run of the same command (trained in
+the test's process, testkit/cli_inproc.py): every layout reproduces one process to the same
+1e-5 (eager tp=2 with SP against one process: tests/test_parallel.py; a 2-rank command
+against the one-process command: tests/test_train_launch.py), so compiled tp=2 against one
+process checks compiled against eager. An eager 2-rank launch here cost ~10 CPU s, the
+in-process run ~2. Slow: tp=2 without SP, tp=2 x dp=2 at ZeRO-0..3, and `--no-recorder`, each against its
+own eager launch.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from testkit.cli_inproc import meshtron_main
 
 ROOT = Path(__file__).resolve().parent.parent
 GUARD = str(Path(__file__).parent / "guard")
@@ -39,10 +47,22 @@ def _train(run_dir: Path, nproc: int, plan: str, *flags: str, env: dict | None =
         capture_output=True, text=True, timeout=1200,
         env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return _losses(run_dir)
+
+
+def _losses(run_dir: Path) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r and "step" in r]
     assert len(losses) == 3, rows
     return losses
+
+
+def _train_one_process(run_dir: Path) -> list[float]:
+    """`meshtron train` with COMMON on one process, eager, in this process (the argv a user
+    types); its per-step losses."""
+    code, _, err = meshtron_main("train", *COMMON, "--run-dir", run_dir)
+    assert code == 0, err[-3000:]
+    return _losses(run_dir)
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -57,7 +77,7 @@ def _assert_close(got, want, what: str):
 def test_compiled_tp_with_recorder_equals_eager(tmp_path):
     guard = tmp_path / "guard"
     guard.mkdir()
-    eager = _train(tmp_path / "eager", 2, "tp=2")
+    eager = _train_one_process(tmp_path / "eager")
     compiled = _train(tmp_path / "compiled", 2, "tp=2", "--compile",
                       env={"PYTHONPATH": os.pathsep.join([GUARD, str(ROOT)]),
                            "MESHTRON_GUARD_OUT": str(guard)})

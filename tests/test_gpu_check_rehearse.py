@@ -1,46 +1,47 @@
 """The rehearsal's GPU path (real tensors, a timed compute-only step) run on the CPU at toy
 size, device injected: the code `meshtron rehearse --device cuda` runs on a GPU, which no GPU
-has run yet. Several rehearsals in one process (each releases its mesh and DTensor's caches
-of it: a second one got the first one's destroyed groups before)."""
+has run yet. Several rehearsals in one process, the test's own (each releases its mesh and
+DTensor's caches of it: a second one got the first one's destroyed groups before; a child
+process imported torch again, ~3.5 CPU s, until session 54): each must leave no process
+group behind and the default dtype as it found it."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-
-RUN = r"""
-import json, sys
-from meshtron.model import preset
-from meshtron.planner.cluster import resolve_cluster
-from meshtron.planner.plan import load_plan
-from meshtron.rehearse.run import rehearse
-model = preset("tiny")
-plan = load_plan(sys.argv[1]).validate(8, model)
-out = [rehearse(model, plan, resolve_cluster("dgx-h100:1"), "cpu", int(rank),
-                real=tensors == "real")
-       for rank, tensors in (x.split(":") for x in sys.argv[2:])]
-print(json.dumps(out))
-"""
 
 
 @pytest.fixture(scope="module")
 def plan_file(tmp_path_factory):
+    from testkit.cli_inproc import meshtron_main
+
     path = tmp_path_factory.mktemp("rehearse") / "plan.toml"
-    subprocess.run([sys.executable, "-m", "meshtron", "plan", "--model", "tiny", "--cluster",
-                    "dgx-h100:1", "--global-batch", "8", "--seq-len", "64", "--layout",
-                    "tp=2,pp=2", "--save", str(path)], check=True, capture_output=True,
-                   timeout=120)
+    code, _, err = meshtron_main("plan", "--model", "tiny", "--cluster", "dgx-h100:1",
+                                 "--global-batch", "8", "--seq-len", "64", "--layout",
+                                 "tp=2,pp=2", "--save", path)
+    assert code == 0, err
     return path
 
 
 def _rehearse(plan_file, *runs: str) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-c", RUN, str(plan_file), *runs],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    """rehearse/run.py `rehearse` of the plan's ranks, "RANK:real" or "RANK:fake", here."""
+    import torch
+    import torch.distributed as dist
+
+    from meshtron.model import preset
+    from meshtron.planner.cluster import resolve_cluster
+    from meshtron.planner.plan import load_plan
+    from meshtron.rehearse.run import rehearse
+
+    model = preset("tiny")
+    plan = load_plan(plan_file).validate(8, model)
+    out = []
+    for rank, tensors in (x.split(":") for x in runs):
+        out.append(json.loads(json.dumps(rehearse(model, plan, resolve_cluster("dgx-h100:1"),
+                                                  "cpu", int(rank), real=tensors == "real"))))
+        assert not dist.is_initialized() and torch.get_default_dtype() == torch.float32
+    return out
 
 
 @pytest.mark.parametrize("rank", [pytest.param(0, marks=pytest.mark.slow), 7])

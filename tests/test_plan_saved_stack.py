@@ -1,20 +1,27 @@
 """A saved plan keeps the stack and options it was priced with (Plan.framework,
 Plan.framework_options): `cost --plan`, `simulate --step --plan` and `rehearse --plan` price
-what `meshtron plan` priced; `train --plan` refuses another stack's plan in one line."""
+what `meshtron plan` priced; `train --plan` refuses another stack's plan in one line.
+
+The `train` refusals and `rehearse --plan` reports run through `meshtron.cli.main` in the
+test's process with the argv a user types (testkit/cli_inproc.py: a child imports torch
+again, ~3.5 CPU s each); `meshtron rehearse --plan` as typed, in a process of its own:
+test_rehearse_fit_line_reads_as_a_sum_through_the_command."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import meshtron.cli as top_cli
+from testkit.cli_inproc import meshtron_main
 from testkit.plan_cli import commands_fixture
 
 
 cli = commands_fixture("meshtron.planner.cli", "meshtron.cost.cli", "meshtron.simulate.cli")
+EVERY_COMMAND = list(top_cli.COMMAND_MODULES)  # before any test narrows them
 
 # Megatron-Core with TE's userbuffers TP overlap, bf16 gradient reduction and the unfused
 # attention flag: a stack and three options that each change the price of this layout
@@ -122,8 +129,14 @@ def test_a_bad_stack_in_a_plan_file_is_one_line(cli, tmp_path, text, field):
 
 
 def _meshtron(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshtron", *argv], capture_output=True,
-                          text=True, timeout=600)
+    """`meshtron ARGV` in this process with every command (the `cli` fixture loads only the
+    planner's): exit code, stdout and stderr as a child's."""
+    narrowed, top_cli.COMMAND_MODULES = top_cli.COMMAND_MODULES, EVERY_COMMAND
+    try:
+        code, out, err = meshtron_main(*argv)
+    finally:
+        top_cli.COMMAND_MODULES = narrowed
+    return subprocess.CompletedProcess(["meshtron", *argv], code, out, err)
 
 
 TINY = ["--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "16", "--seq-len", "256",

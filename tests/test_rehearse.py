@@ -4,8 +4,19 @@ through the runtime's own build, and the planner's memory agreeing with it.
 The agreement table runs each layout kind at a size where every term matters (vocabulary,
 hidden and sequence of a small Llama): the planner's tensors (`allocated`) must be within 5%
 of the rehearsed peak. Fake tensors make the cost per operation, not per byte: each case is
-an ordinary few-second step. The default suite runs four kinds in one process; the whole
-table is `slow`."""
+an ordinary few-second step. The default suite rehearses four kinds, GPipe's and looped BFS's
+stages live in one process; the whole table is `slow`. Two default tables are recorded
+(testkit/recorded_rehearsal.py, tests/data/rehearsals/rehearse-*.json; session 54, -13 CPU s):
+the planner priced now against what the rehearsal measured, re-rehearsed live by the `slow`
+test_recorded_tables_are_what_the_rehearsal_measures. Their rehearsal paths keep live default
+checks: one micro-batch without a pipeline is the step the fast kinds run with more
+(rehearse/step.py; test_rehearsal_names_where_its_peak_is rehearses one micro-batch live), a
+pipeline rank named by number is rehearsed live in tests/test_rehearse_stages.py (1F1B's rank
+4, and torch's V with zero bubble's split backward, rehearse/pipeline_step.py), and the
+first-stage table's TP + SP and full recomputation are the fast kinds' own. The commands run
+through `meshtron.cli.main` in the test's process (testkit/cli_inproc.py: a child would import
+torch again); `meshtron rehearse` as a user types it, in a process of its own:
+tests/test_rehearse_kinds.py, tests/test_rehearse_moe.py."""
 
 from __future__ import annotations
 
@@ -16,8 +27,11 @@ from pathlib import Path
 
 import pytest
 
+from testkit.cli_inproc import meshtron_main
+from testkit.recorded_rehearsal import case, live_check, recorded_table
 from testkit.rehearsal import check_totals, job_result, run_jobs, run_kinds
 
+SOURCE = "tests/test_rehearse.py"
 ROOT = Path(__file__).resolve().parents[1]
 
 MODEL = dict(name="mid", layers=2, hidden=2048, heads=16, kv_heads=4, ffn_hidden=5632,
@@ -68,10 +82,8 @@ def default_jobs() -> dict:
     import and rehearsal setup instead of five); each test reads its own table."""
     return run_jobs({
         "fast kinds": (RUN_KINDS, [MODEL, BASE, {n: KINDS[n] for n in FAST}]),
-        "non-last stages": (RUN_STAGES, [MODEL, BASE, NON_LAST]),
         "gpipe stages": (RUN_STAGES, [MODEL, BASE, GPIPE_STAGES]),
         "looped stages": (RUN_STAGES, [MODEL, BASE, LOOPED_STAGES]),
-        "one micro-batch": (RUN_KINDS, [MODEL, BASE, ONE_MB]),
     })
 
 
@@ -174,11 +186,12 @@ NON_LAST = {  # name: (knobs, pipeline rank): a stage that sends its output on
 }
 
 
-def test_planner_counts_the_outputs_a_pipeline_stage_keeps(default_jobs):
+def test_planner_counts_the_outputs_a_pipeline_stage_keeps():
     """torch's pipelining keeps every in-flight micro-batch's stage output until its backward
     (PipelineStage.fwd_cache; planner/memory_pipeline.py `held_outputs`): the first stage of a
-    1F1B pipeline within 2% of the rehearsal (without them the planner read -2.0% and -3.5%)."""
-    for name, rows in job_result(default_jobs, "non-last stages").items():
+    1F1B pipeline within 2% of the rehearsal (without them the planner read -2.0% and -3.5%);
+    the rehearsal recorded (rehearse-non-last-stages.json)."""
+    for name, rows in _recorded("rehearse-non-last-stages").items():
         rehearsed, planned = rows["total"]
         assert planned / rehearsed - 1 == pytest.approx(0.0, abs=0.02), (name, rows)
 
@@ -374,8 +387,9 @@ def test_microbatch_moments_of_a_zb_stage():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshtron", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600)
+    """`meshtron ARGS` through the command's entry point in this process."""
+    code, out, err = meshtron_main(*args)
+    return subprocess.CompletedProcess(["meshtron", *args], code, out, err)
 
 
 def test_rehearse_command_prints_both_sides(tmp_path):
@@ -722,8 +736,8 @@ ONE_MB_SLOW = {
 }
 
 
-def test_one_microbatch_without_a_pipeline_agrees_with_rehearsal(default_jobs):
-    _check(job_result(default_jobs, "one micro-batch"))
+def test_one_microbatch_without_a_pipeline_agrees_with_rehearsal():
+    _check(_recorded("rehearse-one-microbatch"))
 
 
 @pytest.mark.slow
@@ -736,14 +750,36 @@ def test_rehearsal_names_where_its_peak_is():
     trace the planner's moments are read from: one micro-batch under ZeRO-1 with full
     recomputation peaks in a block's backward (the step's only one; planner/memory_gpipe.py),
     and the planner is within 5% there (+18.5% .. +20.3% before branch onembz)."""
-    out = subprocess.run([sys.executable, "-m", "meshtron", "rehearse", "--model", "tiny",
-                          "--cluster", "dgx-h100:1", "--global-batch", "8", "--seq-len", "64",
-                          "--layout", "dp=8", "--zero", "1", "--micro-batch", "1",
-                          "--recompute", "full"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=300)
+    out = _cli("rehearse", "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "8",
+               "--seq-len", "64", "--layout", "dp=8", "--zero", "1", "--micro-batch", "1",
+               "--recompute", "full")
     assert out.returncode == 0, out.stderr[-2000:]
     where = [x for x in out.stdout.splitlines() if x.startswith("(the peak: ")]
     assert len(where) == 1 and where[0].startswith("(the peak: backward of ")
     assert "layers." in where[0] and "aten." in where[0], where
     total = [line.split() for line in out.stdout.splitlines() if line.startswith("total")][0]
     assert abs(float(total[3].rstrip("%"))) < 5.0, total  # the printed GiB too coarse here
+
+
+def _case(knobs: dict, pp_rank: int | None = None) -> dict:
+    """A table entry (knobs over BASE, "layers" the model's) as a recorded table's case."""
+    knobs = dict(knobs)
+    return case(dict(MODEL, layers=knobs.pop("layers", MODEL["layers"])), {**BASE, **knobs},
+                pp_rank)
+
+
+RECORDED_TABLES = {
+    "rehearse-non-last-stages": {n: _case(k, r) for n, (k, r) in NON_LAST.items()},
+    "rehearse-one-microbatch": {n: _case(k) for n, k in ONE_MB.items()},
+}
+
+
+def _recorded(name: str) -> dict:
+    return recorded_table(SOURCE, name, RECORDED_TABLES[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RECORDED_TABLES))
+def test_recorded_tables_are_what_the_rehearsal_measures(tmp_path, name):
+    """The regeneration command of each recorded table, run live, writes what is committed."""
+    live_check(SOURCE, name, tmp_path)

@@ -174,3 +174,40 @@ def test_model_flex_document_masks_equal_the_cpu_path(every):
     _, mask = document_context(tokens, eos, None, spec, "flex")  # the masks the GPU builds
     assert mask.window_block_mask is not None
     assert (mask.block_mask is None) == (every == 0)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_one_flex_trace_serves_every_window_and_the_global_blocks():
+    """The block masks read their window from a 0-d tensor, not from a number in the
+    mask_mod's closure: FlexAttention's dynamo trace (compiled on CUDA, traced eagerly on CPU)
+    guards on a closure's numbers, so a number gave a trace, and on CUDA a compiled kernel,
+    per window, and a model of sliding and global blocks compiled two. Now every window and
+    the global mask (window 0) of one mask family share one trace: context parallelism's
+    gathered-sequence masks with and without documents (cp_flex.positions_block_mask, whose
+    halo masks are the same code) and one process's document masks (model/attention.py).
+    The CPU counts what CUDA compiles: the same dynamo guards decide both."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from meshtron.model.attention import _flex_block_mask
+    from meshtron.parallel.context import block_mask, chunk_positions, flex_attention
+
+    doc = _docs()
+    q, k, v = _qkv(seed=1)
+    pos = chunk_positions(SEQ, 2, 1)
+    windows = (0, 3, 6, 13, 40)
+
+    def traces(calls) -> int:
+        torch._dynamo.reset()
+        before = counters["stats"]["unique_graphs"]
+        with torch.no_grad():
+            for call in calls:
+                call()
+        return counters["stats"]["unique_graphs"] - before
+
+    for docs in (None, doc):
+        q_doc = None if docs is None else docs[:, pos]
+        assert traces([lambda w=w: flex_attention(q[:, :, pos], k, v, block_mask(
+            pos, q_doc, docs, BATCH, SEQ, w)) for w in windows]) == 1, docs
+    assert traces([lambda w=w: flex_attention(q, k, v, _flex_block_mask(doc, w))
+                   for w in windows]) == 1

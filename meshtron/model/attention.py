@@ -94,19 +94,22 @@ def _compiled(name: str):
 
 
 def _flex_block_mask(doc: torch.Tensor, window: int = 0):
-    """The document-causal BlockMask of `doc`; with `window`, of the band inside documents."""
+    """The document-causal BlockMask of `doc`; with `window`, of the band inside documents.
+    One `mask_mod` code for both, the window a 0-d tensor it reads (the sequence for
+    document-causal): FlexAttention's trace guards on a closure's numbers but only on a
+    tensor's shape, so a model's global and sliding blocks share one compiled kernel
+    (parallel/cp_flex.py `positions_block_mask` does the same under context parallelism)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def document_causal(b, h, q_idx, kv_idx):
-        return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+    bsz, seq = doc.shape
+    reach = doc.new_full((), window if window else seq)
 
     def document_band(b, h, q_idx, kv_idx):
-        return document_causal(b, h, q_idx, kv_idx) & (q_idx - kv_idx < window)
+        gap = q_idx - kv_idx
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (gap >= 0) & (gap < reach)
 
-    bsz, seq = doc.shape
     build = _compiled("create_block_mask") if doc.is_cuda else create_block_mask
-    return build(document_band if window else document_causal, bsz, None, seq, seq,
-                 device=doc.device)
+    return build(document_band, bsz, None, seq, seq, device=doc.device)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -26,7 +26,7 @@ import torch
 
 from meshtron.model.attention import band_attention
 from meshtron.model.cp_halo_plan import HaloPlan, halo_plan, halo_rows, local_row, rank_chunks
-from meshtron.parallel.cp_flex import BAND_BLOCKS, flex_attention, mask_builder
+from meshtron.parallel.cp_flex import BAND_BLOCKS, flex_attention, positions_block_mask
 
 __all__ = ["attend_halo", "exchange_halos", "halo_attend", "halo_block_mask", "halo_keys",
            "halo_rows"]
@@ -122,19 +122,5 @@ def halo_block_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor, q_doc: torch.Tens
     """FlexAttention block mask of the local queries (global positions `q_pos`: chunk a then
     chunk b) against the keys at `kv_pos` (`halo_keys`: every position once, so the band on
     positions alone keeps a query to its own keys), inside documents with document ids
-    (kv_doc [b, keys])."""
-    def band(q_idx, kv_idx):
-        gap = q_pos[q_idx] - kv_pos[kv_idx]
-        return (gap >= 0) & (gap < window)
-
-    if q_doc is None:
-        def mask_mod(b, h, q_idx, kv_idx):
-            return band(q_idx, kv_idx)
-        batch = None
-    else:
-        batch = q_doc.shape[0]
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return band(q_idx, kv_idx) & (q_doc[b, q_idx] == kv_doc[b, kv_idx])
-    build = mask_builder(q_pos.device)
-    return build(mask_mod, batch, None, q_pos.numel(), kv_pos.numel(), device=q_pos.device)
+    (kv_doc [b, keys]): cp_flex's mask over positions (one traced mask for every window)."""
+    return positions_block_mask(q_pos, kv_pos, q_doc, kv_doc, window)
