@@ -50,6 +50,12 @@ def _one_line(capsys, code, needle):
      "no layout of 3 devices runs: pure data parallel / ZeRO (tp=1, pp=1) layouts left out: "
      "plan.global_batch=16 (the global batch, sequences per step): must be divisible by "
      "plan.dp=3"),
+    # pp=2 on one micro-batch: every schedule refused, as `meshtron plan` says (was: "no plan
+    # fits 2 ranks of 4.0 GiB", a memory verdict for a 126K-parameter model; audit s54)
+    (["train", "--model", "debug", "--nproc", "2", "--plan", "pp=2", "--global-batch", "2",
+      "--micro-batch", "2"],
+     "plan='pp=2': no plan of 2 ranks runs for model debug: every schedule / knob point of the "
+     "1 valid layout(s) was refused"),
 ])
 def test_bad_flags_are_one_line(capsys, tmp_path, argv, needle):
     if argv[0] == "train":

@@ -257,6 +257,10 @@ def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cl
     best = result.best
     if best is None:
         near = result.near_miss
+        if near is None and result.refused:  # not memory: every point broke a rule (as
+            # `meshtron plan` says, report_warnings.render_no_fit), e.g. pp=2 on one micro-batch
+            raise UserError(f"plan={request.plan!r}: no plan of {world_size} ranks runs for "
+                            f"model {cfg.model.name}: {result.refused}")
         need = f"; the leanest plan needs {near.memory.total:.2f} GiB per rank" if near else ""
         raise UserError(f"plan={request.plan!r}: no plan fits {world_size} ranks of "
                         f"{sized.memory_gib:.1f} GiB for model {cfg.model.name}{need}")
