@@ -121,12 +121,26 @@ def take_from_plan(args: argparse.Namespace, plan, path: str, flags=("model", "c
     for flag in flags:
         given, saved = getattr(args, flag), getattr(plan, flag)
         dashed = flag.replace("_", "-")
-        if given is not None and saved is not None and given != saved:
+        if given is not None and saved is not None and not _same_value(given, saved):
             raise UserError(f"{dashed}={given!r}: contradicts the plan {path}, made for "
                             f"{flag} {saved!r}; drop --{dashed} or re-plan")
         if require and given is None and saved is None:
             raise UserError(f"plan={path!r}: names no {flag}; give --{dashed}")
         setattr(args, flag, given or saved)
+
+
+def _same_value(given: Any, saved: Any) -> bool:
+    """A flag restates the plan's value: equal, or one file or folder spelled two ways
+    (`--model ./config.json` beside a plan saved with its absolute path)."""
+    if given == saved:
+        return True
+    if not (isinstance(given, str) and isinstance(saved, str) and given.strip()
+            and saved.strip()):
+        return False
+    try:
+        return Path(given).exists() and Path(saved).exists() and Path(given).samefile(saved)
+    except OSError:
+        return False
 
 
 def literal_value(text: str) -> Any:

@@ -31,3 +31,43 @@ def test_a_plan_for_another_model_is_named_before_its_rank_count(capsys, tmp_pat
     line = refused(capsys, "train", "--plan", plan, "--nproc", "64", "--steps", "1",
                    "--run-dir", run)  # typed: named as typed
     assert "error: --nproc=64: allowed 1.." in line, line
+
+
+SMALL_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300,
+               "max_position_embeddings": 256}
+
+
+def test_a_plan_saved_with_a_relative_model_path_is_read_from_another_folder(tmp_path,
+                                                                               monkeypatch):
+    """Audit s54: `plan --model cfg/small.json --save p.toml` recorded the path as typed, so
+    `cost --plan ../p.toml` from another folder said "model='cfg/small.json': file does not
+    exist" (train and rehearse too), and restating the file as `--model ./cfg/small.json`
+    was refused as contradicting the plan: no spelling priced it. Now the plan records the
+    file's absolute path and a flag naming the same file restates it."""
+    import json
+
+    from testkit.cli_inproc import meshtron_main
+
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "small.json").write_text(json.dumps(SMALL_LLAMA))
+    (tmp_path / "cfg" / "copy.json").write_text(json.dumps(SMALL_LLAMA))
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = meshtron_main("plan", "--model", "cfg/small.json", "--cluster", "nominal-cpu:2",
+                               "--global-batch", "16", "--seq-len", "128", "--top", "1",
+                               "--save", "p.toml")
+    assert rc == 0, err
+    price = ("--price-on-demand", "1", "--gpu-watts", "100", "--runs", "50")
+    monkeypatch.chdir(tmp_path / "sub")
+    rc, out, err = meshtron_main("cost", "--plan", "../p.toml", *price)
+    assert rc == 0 and out.startswith("Plan: tp=1,pp=1,dp=2"), err
+    rc, out, err = meshtron_main("simulate", "--step", "--plan", "../p.toml")
+    assert rc == 0 and "simulated" in out, err
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = meshtron_main("cost", "--plan", "p.toml", "--model", "./cfg/small.json",
+                                 *price)
+    assert rc == 0, err
+    # another file (the same fields) is another model as far as the flag goes: still refused
+    rc, out, err = meshtron_main("cost", "--plan", "p.toml", "--model", "cfg/copy.json", *price)
+    assert rc == 2 and "model='cfg/copy.json': contradicts the plan p.toml" in err, err

@@ -182,9 +182,21 @@ def saved_plan(args: argparse.Namespace, result: Any, gpus: int, batch: int, seq
     (frameworks.saved_fields), so that `cost`, `simulate` and `rehearse` price the same."""
     from meshtron.planner.frameworks import saved_fields
 
-    plan = result.best.to_plan(args.model, args.cluster, gpus, batch, seq,
-                               result.options.attention)
+    plan = result.best.to_plan(saved_path(args.model, model=True), saved_path(args.cluster),
+                               gpus, batch, seq, result.options.attention)
     return plan.replace(**saved_fields(result.framework)) if result.framework else plan
+
+
+def saved_path(text: str, model: bool = False) -> str:
+    """A --model / --cluster value as a saved plan records it: a file or folder absolute, since
+    `train`, `cost`, `simulate` and `rehearse --plan` read the plan from other folders (a path
+    relative to where `plan --save` ran was 'file does not exist' there); a preset as typed
+    (a model preset before a file of its name, as resolve_model reads it)."""
+    from meshtron.model.spec import PRESETS
+
+    if not text.strip() or (model and text in PRESETS) or not Path(text).exists():
+        return text
+    return str(Path(text).resolve())
 
 
 def parse_tokens(text: str) -> float:
