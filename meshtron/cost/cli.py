@@ -99,9 +99,9 @@ def _model_and_cluster(args: argparse.Namespace):
     --global-batch / --seq-len / --dtype the file does not hold: refused)."""
     plan = None
     if args.plan:
-        from meshtron.planner.plan import load_plan
+        from meshtron.planner.plan import load_priced_plan
 
-        plan = load_plan(args.plan)
+        plan = load_priced_plan(args.plan)
         take_from_plan(args, plan, args.plan, require=True)
         # a batch or length the file does not hold would re-price another run under its name;
         # the plan's dtype is what is priced (a --dtype beside it was silently ignored)
