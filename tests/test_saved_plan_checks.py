@@ -76,27 +76,30 @@ def test_a_plan_saved_with_a_relative_model_path_is_read_from_another_folder(tmp
 
 
 def test_a_run_folders_plan_of_a_config_json_model_is_priced(tmp_path, monkeypatch):
-    """Audit s54: a run's plan.toml names a Hugging Face config's model by the run's name
-    ('cfg' for cfg/small.json), which `cost --plan RUN/plan.toml` read as a folder: "the
-    folder holds no config.json" (simulate and rehearse too), and `--model cfg/small.json`
-    contradicted it. The run.toml beside the plan holds that model: priced as the run's."""
+    """Audit s54: a run's plan.toml names a Hugging Face config's model by the model's name
+    ('cfg' for cfg/config.json, 'small' for cfg/small.json), which `cost --plan RUN/plan.toml`
+    read as a preset or a folder ("the folder holds no config.json"; simulate and rehearse
+    too), and `--model cfg/config.json` contradicted it. The run.toml beside the plan holds
+    that model: priced as the run's."""
     import json
 
     from testkit.cli_inproc import meshtron_main
 
     (tmp_path / "cfg").mkdir()
-    (tmp_path / "cfg" / "small.json").write_text(json.dumps(SMALL_LLAMA))
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(SMALL_LLAMA))
     monkeypatch.chdir(tmp_path)
-    rc, _, err = meshtron_main("train", "--model", "cfg/small.json", "--zero", "1", "--steps",
+    rc, _, err = meshtron_main("train", "--model", "cfg/config.json", "--zero", "1", "--steps",
                                "1", "--eval-every", "0", "--seq-len", "32", "--global-batch",
                                "4", "--run-dir", "run")
     assert rc == 0, err
     assert 'model = "cfg"' in (tmp_path / "run" / "plan.toml").read_text()
-    rc, out, err = meshtron_main("cost", "--plan", "run/plan.toml", "--price-on-demand", "1",
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")  # where 'cfg' is no folder: the run's own model
+    rc, out, err = meshtron_main("cost", "--plan", "../run/plan.toml", "--price-on-demand", "1",
                                  "--gpu-watts", "100", "--runs", "50", "--json")
     assert rc == 0, err
     predicted = json.loads((tmp_path / "run" / "summary.json").read_text())[
         "predicted_step_time_s"]
     assert json.loads(out)["step_time_s"] == pytest.approx(predicted, rel=1e-3)
-    rc, out, err = meshtron_main("simulate", "--step", "--plan", "run/plan.toml")
+    rc, out, err = meshtron_main("simulate", "--step", "--plan", "../run/plan.toml")
     assert rc == 0 and "simulated" in out, err
