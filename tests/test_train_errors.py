@@ -43,6 +43,10 @@ def _one_line(capsys, code, needle):
     (["plan", "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "0"],
      "argument --global-batch: '0'"),
     (["nosuchcommand"], "invalid choice"),
+    # an empty folder name was read as not given: the run trained and exported nothing
+    # (audit s54; --run-dir '' was already refused)
+    (["train", *RUN, "--export", ""], "train.export='': must name a folder"),
+    (["train", *RUN, "--init-from", " "], "train.init_from=' ': must name a folder"),
     # no layout of 3 CPU ranks (the default batch of 16): the reason keeps its subject, and
     # a CPU run's ranks are not called GPUs (was: "no layout of 3 GPUs runs: ... left out:
     # must be divisible by plan.dp=3": user audit 48b)
