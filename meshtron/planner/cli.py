@@ -304,9 +304,10 @@ def run(args: argparse.Namespace) -> int:
         batch = 1 << max(0, (DEFAULT_TOKENS_PER_STEP // seq).bit_length() - 1)
         notes.append(f"--global-batch not given: planning at {batch} sequences per step "
                      f"(about {DEFAULT_TOKENS_PER_STEP // 2**20}M tokens)")
-    from meshtron.planner.comm_flags import requested, search_knobs
+    from meshtron.planner.comm_flags import refuse_unread, requested, search_knobs
 
     comm = requested(args)  # priced on the searched layouts (search.py `_with_comm`)
+    refuse_unread(comm)
     knobs = {**search_knobs(comm, collect_knobs(args)), **comm}
     # a pinned layout (one layout left to the search) is priced even when predicted not to fit
     result = answer_pinned(search_plans(model, cluster, batch, seq, knobs, top_k=args.top,

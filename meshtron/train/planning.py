@@ -144,6 +144,9 @@ def resolve_run_plan(cfg: RunConfig, request: ParallelRequest, world_size: int,
     elif is_plan_file(request.plan):
         plan = apply_comm(_saved_plan(cfg, request), request.comm, saved=True)
     else:
+        from meshtron.planner.comm_flags import refuse_unread
+
+        refuse_unread(request.comm)
         plan = apply_comm(_searched_plan(cfg, request, world_size, cluster), request.comm,
                           saved=False)
     if cfg.train.compile and not plan.compile:  # --compile on a saved eager plan: the plan
