@@ -71,8 +71,11 @@ def existing_file(path: str | Path, field: str) -> Path:
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{field}={str(path)!r}: is a folder; expected a file")
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"{field}={str(path)!r}: file does not exist")
+    if not path.is_file():  # /dev/null, a pipe: it exists (was "file does not exist")
+        raise UserError(f"{field}={str(path)!r}: not a regular file (a device, pipe or "
+                        "socket); expected a file")
     return path
 
 

@@ -347,3 +347,12 @@ def test_resume_of_a_run_that_saved_no_checkpoint_says_why(capsys, tmp_path):
                    "--resume")
     assert f"({tmp_path / 'none'} holds no run)" in line, line
     assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize("flag", ["--options", "--model", "--cluster"])
+def test_a_device_given_as_a_file_is_not_called_missing(capsys, flag):
+    """Audit s54: `plan --options /dev/null` said "file does not exist" of a path that
+    exists: a device or pipe is named as what it is."""
+    argv = dict(zip(TINY[::2], TINY[1::2]), **{flag: "/dev/null"})
+    line = refused(capsys, "plan", *[x for kv in argv.items() for x in kv])
+    assert "='/dev/null': not a regular file (a device, pipe or socket)" in line, line
