@@ -270,3 +270,39 @@ def test_a_killed_rank_is_one_line_per_rank_not_tracebacks(tmp_path):
     for line in out.splitlines():  # the cause cut at a sentence, the run folder named
         if "stopped: a peer rank is gone" in line:
             assert line.endswith(f"(trace: meshtron doctor {run_dir})"), line
+
+
+def test_a_model_that_cannot_fit_one_process_is_refused_before_the_run_folder(capsys, tmp_path):
+    """Audit s54: `meshtron train --model llama3-8b` in one process on a 23 GiB CPU machine
+    built the model until the allocator failed (a traceback, run.toml and config.json left in
+    the run folder; without a memory limit, the OOM killer). Weights, gradients and AdamW
+    state alone (16 B a parameter in fp32) above the device's memory: one line, nothing
+    written. A vocabulary of 1e12 makes 1.9 PiB: more than any machine this runs on (and
+    without the check its first tensor fails at once, never filling the memory)."""
+    run = tmp_path / "r"
+    _one_line(capsys, main(["train", "--model", "debug", "--set", "model.vocab=1000000000000",
+                            "--steps", "1", "--run-dir", str(run)]),
+              "model=debug: one process needs at least 1,907,348.6 GiB for its weights, "
+              "gradients and AdamW state (128,000,000,092,480 parameters x 16 B")
+    assert not run.exists()
+
+
+def test_the_memory_floor_reads_a_gpus_memory_and_counts_the_bf16_copy():
+    """The CUDA branch by injection (the device API local_device injects too): a GPU's total
+    memory is the limit, and a bf16 run's compute copy adds 2 B a parameter."""
+    import types
+
+    import torch
+
+    from meshtron.config import config_from_dict
+    from meshtron.errors import UserError
+    from meshtron.train.local_memory import check_fits, device_memory_bytes
+
+    gpu = types.SimpleNamespace(get_device_properties=lambda device: types.SimpleNamespace(
+        total_memory=80 * 2**30))
+    assert device_memory_bytes(torch.device("cuda", 0), gpu=gpu) == 80 * 2**30
+    cfg = config_from_dict({"model": "debug", "train": {"dtype": "bf16"}})
+    need = cfg.model.num_params() * 18
+    check_fits(cfg, torch.device("cpu"), total=need)  # exactly enough: let through
+    with pytest.raises(UserError, match=r"x 18 B, train.dtype=bf16\), more than this cpu's"):
+        check_fits(cfg, torch.device("cpu"), total=need - 1)
