@@ -71,8 +71,11 @@ def existing_file(path: str | Path, field: str) -> Path:
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{field}={str(path)!r}: is a folder; expected a file")
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"{field}={str(path)!r}: file does not exist")
+    if not path.is_file():  # /dev/null, a pipe: it exists (was "file does not exist")
+        raise UserError(f"{field}={str(path)!r}: not a regular file (a device, pipe or "
+                        "socket); expected a file")
     return path
 
 
@@ -121,12 +124,26 @@ def take_from_plan(args: argparse.Namespace, plan, path: str, flags=("model", "c
     for flag in flags:
         given, saved = getattr(args, flag), getattr(plan, flag)
         dashed = flag.replace("_", "-")
-        if given is not None and saved is not None and given != saved:
+        if given is not None and saved is not None and not _same_value(given, saved):
             raise UserError(f"{dashed}={given!r}: contradicts the plan {path}, made for "
                             f"{flag} {saved!r}; drop --{dashed} or re-plan")
         if require and given is None and saved is None:
             raise UserError(f"plan={path!r}: names no {flag}; give --{dashed}")
         setattr(args, flag, given or saved)
+
+
+def _same_value(given: Any, saved: Any) -> bool:
+    """A flag restates the plan's value: equal, or one file or folder spelled two ways
+    (`--model ./config.json` beside a plan saved with its absolute path)."""
+    if given == saved:
+        return True
+    if not (isinstance(given, str) and isinstance(saved, str) and given.strip()
+            and saved.strip()):
+        return False
+    try:
+        return Path(given).exists() and Path(saved).exists() and Path(given).samefile(saved)
+    except OSError:
+        return False
 
 
 def literal_value(text: str) -> Any:

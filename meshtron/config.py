@@ -207,6 +207,10 @@ class TrainConfig:
             raise UserError(f"train.seed={self.seed}: allowed an integer from 0 to 2**63 - 1")
         if not self.run_dir.strip():
             raise UserError("train.run_dir='': must name a folder")
+        for name in ("init_from", "export"):  # '' was read as not given: no export, silently
+            if isinstance(getattr(self, name), str) and not getattr(self, name).strip():
+                raise UserError(f"train.{name}={getattr(self, name)!r}: must name a folder "
+                                "(leave it out for none)")
 
 
 @dataclass

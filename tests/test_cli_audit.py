@@ -328,3 +328,31 @@ def test_resume_with_overwrite_is_refused(capsys, tmp_path):
         f"meshtron train: error: --resume with --overwrite: allowed one of them (--resume "
         f"continues the run in train.run_dir={run!r}, --overwrite replaces it with a new run)"]
     assert not (tmp_path / "r").exists()
+
+
+def test_resume_of_a_run_that_saved_no_checkpoint_says_why(capsys, tmp_path):
+    """Audit s54: `--resume` of a run trained without --checkpoint-every (checkpoints are off
+    by default) said only "no complete checkpoint in R/checkpoints", as for a folder with no
+    run in it; now it says which, and writes nothing."""
+    run = tmp_path / "r"
+    assert main(["train", "--model", "debug", "--steps", "1", "--eval-every", "0",
+                 "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    before = sorted(p.name for p in run.iterdir())
+    line = refused(capsys, "train", "--run-dir", run, "--resume", "--steps", "2")
+    assert f"no complete checkpoint in {run}/checkpoints (the run there saved none: " in line
+    assert "unless --checkpoint-every N is given" in line, line
+    assert sorted(p.name for p in run.iterdir()) == before
+    line = refused(capsys, "train", "--model", "debug", "--run-dir", tmp_path / "none",
+                   "--resume")
+    assert f"({tmp_path / 'none'} holds no run)" in line, line
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize("flag", ["--options", "--model", "--cluster"])
+def test_a_device_given_as_a_file_is_not_called_missing(capsys, flag):
+    """Audit s54: `plan --options /dev/null` said "file does not exist" of a path that
+    exists: a device or pipe is named as what it is."""
+    argv = dict(zip(TINY[::2], TINY[1::2]), **{flag: "/dev/null"})
+    line = refused(capsys, "plan", *[x for kv in argv.items() for x in kv])
+    assert "='/dev/null': not a regular file (a device, pipe or socket)" in line, line

@@ -217,6 +217,31 @@ def test_comm_flags_end_in_a_plan_or_one_line_error():
     assert outcomes["plan"] >= len(good) and outcomes["error"] > 0
 
 
+@pytest.mark.parametrize("cmd", ["plan", "train"])
+@pytest.mark.parametrize("flags, want", [
+    (["--outer-lr", "0.5"], "--outer-lr=0.5: only with --diloco H > 0"),
+    (["--outer-momentum", "0.9", "--diloco", "0"], "--outer-momentum=0.9: only with --diloco"),
+    (["--grad-compression-block", "64"], "--grad-compression-block=64: only with "
+                                         "--grad-compression int8"),
+    (["--grad-compression", "bf16", "--grad-compression-block", "64"],
+     "--grad-compression-block=64: only with --grad-compression int8"),
+])
+def test_a_tuning_flag_without_the_flag_it_tunes_is_refused(capsys, tmp_path, cmd, flags, want):
+    """Audit s54: `--outer-lr` / `--outer-momentum` without --diloco and
+    `--grad-compression-block` without int8 compression planned and trained as if not given
+    (a 2-rank run started); `--compress-scope inter_node` without compression was already
+    refused. One line, nothing written."""
+    from testkit.plan_cli import refused
+
+    common = (["--model", "debug", "--seq-len", "32", "--global-batch", "8", "--steps", "1",
+               "--run-dir", tmp_path / "r", "--nproc", "2", "--plan", "dp=2"] if cmd == "train"
+              else ["--model", "debug", "--cluster", "nominal-cpu:2", "--global-batch", "8",
+                    "--seq-len", "32"])
+    line = refused(capsys, cmd, *common, *flags)
+    assert want in line, line
+    assert not (tmp_path / "r").exists()
+
+
 def test_diloco_outer_settings_follow_h_unless_given(tmp_path):
     """Below the paper's H = 500 the outer step is the replicas' mean (lr 1, no momentum: the
     paper's 0.7 / 0.9 trains 20% worse at H = 4, meshtron/compress/diloco.py); from H = 500 the

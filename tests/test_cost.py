@@ -312,6 +312,27 @@ def test_cost_of_a_saved_plan_and_a_fixed_interval(cost_cli, tmp_path):
     assert doc["days"] / doc["failure_free_days"] > daly["days"] / daly["failure_free_days"]
 
 
+def test_a_dtype_beside_a_saved_plan_is_the_plans_or_refused(tmp_path):
+    """`cost --plan P --dtype fp8` of a bf16 plan printed the bf16 plan's cost as if priced at
+    fp8 (the flag was dropped): now refused in one line as any other contradicting flag; the
+    plan's own dtype is accepted and priced as without it."""
+    from testkit.cli_inproc import meshtron_main
+
+    path = tmp_path / "plan.toml"
+    rc, _, err = meshtron_main("plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1",
+                               "--global-batch", "64", "--seq-len", "4096", "--top", "1",
+                               "--save", path)
+    assert rc == 0, err
+    rc, out, err = meshtron_main("cost", "--plan", path, "--dtype", "fp8", "--runs", "50")
+    assert rc == 2 and out == "", out
+    assert err.count("\n") == 1 and "dtype='fp8': contradicts the plan" in err, err
+    assert "made for dtype 'bf16'; drop --dtype" in err, err
+    plain = meshtron_main("cost", "--plan", path, "--runs", "50", "--json")
+    same = meshtron_main("cost", "--plan", path, "--dtype", "bf16", "--runs", "50", "--json")
+    assert plain[0] == same[0] == 0, same[2]
+    assert json.loads(same[1])["step_time_s"] == json.loads(plain[1])["step_time_s"]
+
+
 def test_a_plan_that_does_not_fit_is_priced_with_a_warning(cost_cli, tmp_path):
     # a plan file pins every mesh axis: priced like `meshtron plan`'s pinned layout (issue 30)
     from meshtron.planner.plan import Plan

@@ -70,6 +70,11 @@ def test_a_hub_cache_snapshot_is_named_after_its_repository(tmp_path, capsys):
     plain.mkdir()
     (plain / "config.json").write_text(json.dumps(LLAMA_CFG))
     assert resolve_model(str(plain)).name == "my-llama"
+    # a config file of another name is named after itself, not its folder (audit s54: two
+    # files of one folder were one name in every table, run folder and plan.toml)
+    (plain / "llama-8k.json").write_text(json.dumps(LLAMA_CFG))
+    assert resolve_model(str(plain / "llama-8k.json")).name == "llama-8k"
+    assert resolve_model(str(plain / "config.json")).name == "my-llama"
 
 
 def test_hf_gpt2_config_matches_gpt2_small(tmp_path):

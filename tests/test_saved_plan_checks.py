@@ -6,6 +6,8 @@ Through `meshtron.cli.main` in this process: every refusal here comes before any
 
 from __future__ import annotations
 
+import pytest
+
 from meshtron.cli import main
 from testkit.plan_cli import refused
 
@@ -31,3 +33,73 @@ def test_a_plan_for_another_model_is_named_before_its_rank_count(capsys, tmp_pat
     line = refused(capsys, "train", "--plan", plan, "--nproc", "64", "--steps", "1",
                    "--run-dir", run)  # typed: named as typed
     assert "error: --nproc=64: allowed 1.." in line, line
+
+
+SMALL_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300,
+               "max_position_embeddings": 256}
+
+
+def test_a_plan_saved_with_a_relative_model_path_is_read_from_another_folder(tmp_path,
+                                                                               monkeypatch):
+    """Audit s54: `plan --model cfg/small.json --save p.toml` recorded the path as typed, so
+    `cost --plan ../p.toml` from another folder said "model='cfg/small.json': file does not
+    exist" (train and rehearse too), and restating the file as `--model ./cfg/small.json`
+    was refused as contradicting the plan: no spelling priced it. Now the plan records the
+    file's absolute path and a flag naming the same file restates it."""
+    import json
+
+    from testkit.cli_inproc import meshtron_main
+
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "small.json").write_text(json.dumps(SMALL_LLAMA))
+    (tmp_path / "cfg" / "copy.json").write_text(json.dumps(SMALL_LLAMA))
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = meshtron_main("plan", "--model", "cfg/small.json", "--cluster", "nominal-cpu:2",
+                               "--global-batch", "16", "--seq-len", "128", "--top", "1",
+                               "--save", "p.toml")
+    assert rc == 0, err
+    price = ("--price-on-demand", "1", "--gpu-watts", "100", "--runs", "50")
+    monkeypatch.chdir(tmp_path / "sub")
+    rc, out, err = meshtron_main("cost", "--plan", "../p.toml", *price)
+    assert rc == 0 and out.startswith("Plan: tp=1,pp=1,dp=2"), err
+    rc, out, err = meshtron_main("simulate", "--step", "--plan", "../p.toml")
+    assert rc == 0 and "simulated" in out, err
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = meshtron_main("cost", "--plan", "p.toml", "--model", "./cfg/small.json",
+                                 *price)
+    assert rc == 0, err
+    # another file (the same fields) is another model as far as the flag goes: still refused
+    rc, out, err = meshtron_main("cost", "--plan", "p.toml", "--model", "cfg/copy.json", *price)
+    assert rc == 2 and "model='cfg/copy.json': contradicts the plan p.toml" in err, err
+
+
+def test_a_run_folders_plan_of_a_config_json_model_is_priced(tmp_path, monkeypatch):
+    """Audit s54: a run's plan.toml names a Hugging Face config's model by the model's name
+    ('cfg' for cfg/config.json, 'small' for cfg/small.json), which `cost --plan RUN/plan.toml`
+    read as a preset or a folder ("the folder holds no config.json"; simulate and rehearse
+    too), and `--model cfg/config.json` contradicted it. The run.toml beside the plan holds
+    that model: priced as the run's."""
+    import json
+
+    from testkit.cli_inproc import meshtron_main
+
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = meshtron_main("train", "--model", "cfg/config.json", "--zero", "1", "--steps",
+                               "1", "--eval-every", "0", "--seq-len", "32", "--global-batch",
+                               "4", "--run-dir", "run")
+    assert rc == 0, err
+    assert 'model = "cfg"' in (tmp_path / "run" / "plan.toml").read_text()
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")  # where 'cfg' is no folder: the run's own model
+    rc, out, err = meshtron_main("cost", "--plan", "../run/plan.toml", "--price-on-demand", "1",
+                                 "--gpu-watts", "100", "--runs", "50", "--json")
+    assert rc == 0, err
+    predicted = json.loads((tmp_path / "run" / "summary.json").read_text())[
+        "predicted_step_time_s"]
+    assert json.loads(out)["step_time_s"] == pytest.approx(predicted, rel=1e-3)
+    rc, out, err = meshtron_main("simulate", "--step", "--plan", "../run/plan.toml")
+    assert rc == 0 and "simulated" in out, err

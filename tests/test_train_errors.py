@@ -43,6 +43,10 @@ def _one_line(capsys, code, needle):
     (["plan", "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "0"],
      "argument --global-batch: '0'"),
     (["nosuchcommand"], "invalid choice"),
+    # an empty folder name was read as not given: the run trained and exported nothing
+    # (audit s54; --run-dir '' was already refused)
+    (["train", *RUN, "--export", ""], "train.export='': must name a folder"),
+    (["train", *RUN, "--init-from", " "], "train.init_from=' ': must name a folder"),
     # no layout of 3 CPU ranks (the default batch of 16): the reason keeps its subject, and
     # a CPU run's ranks are not called GPUs (was: "no layout of 3 GPUs runs: ... left out:
     # must be divisible by plan.dp=3": user audit 48b)
@@ -50,6 +54,12 @@ def _one_line(capsys, code, needle):
      "no layout of 3 devices runs: pure data parallel / ZeRO (tp=1, pp=1) layouts left out: "
      "plan.global_batch=16 (the global batch, sequences per step): must be divisible by "
      "plan.dp=3"),
+    # pp=2 on one micro-batch: every schedule refused, as `meshtron plan` says (was: "no plan
+    # fits 2 ranks of 4.0 GiB", a memory verdict for a 126K-parameter model; audit s54)
+    (["train", "--model", "debug", "--nproc", "2", "--plan", "pp=2", "--global-batch", "2",
+      "--micro-batch", "2"],
+     "plan='pp=2': no plan of 2 ranks runs for model debug: every schedule / knob point of the "
+     "1 valid layout(s) was refused"),
 ])
 def test_bad_flags_are_one_line(capsys, tmp_path, argv, needle):
     if argv[0] == "train":
@@ -260,3 +270,39 @@ def test_a_killed_rank_is_one_line_per_rank_not_tracebacks(tmp_path):
     for line in out.splitlines():  # the cause cut at a sentence, the run folder named
         if "stopped: a peer rank is gone" in line:
             assert line.endswith(f"(trace: meshtron doctor {run_dir})"), line
+
+
+def test_a_model_that_cannot_fit_one_process_is_refused_before_the_run_folder(capsys, tmp_path):
+    """Audit s54: `meshtron train --model llama3-8b` in one process on a 23 GiB CPU machine
+    built the model until the allocator failed (a traceback, run.toml and config.json left in
+    the run folder; without a memory limit, the OOM killer). Weights, gradients and AdamW
+    state alone (16 B a parameter in fp32) above the device's memory: one line, nothing
+    written. A vocabulary of 1e12 makes 1.9 PiB: more than any machine this runs on (and
+    without the check its first tensor fails at once, never filling the memory)."""
+    run = tmp_path / "r"
+    _one_line(capsys, main(["train", "--model", "debug", "--set", "model.vocab=1000000000000",
+                            "--steps", "1", "--run-dir", str(run)]),
+              "model=debug: one process needs at least 1,907,348.6 GiB for its weights, "
+              "gradients and AdamW state (128,000,000,092,480 parameters x 16 B")
+    assert not run.exists()
+
+
+def test_the_memory_floor_reads_a_gpus_memory_and_counts_the_bf16_copy():
+    """The CUDA branch by injection (the device API local_device injects too): a GPU's total
+    memory is the limit, and a bf16 run's compute copy adds 2 B a parameter."""
+    import types
+
+    import torch
+
+    from meshtron.config import config_from_dict
+    from meshtron.errors import UserError
+    from meshtron.train.local_memory import check_fits, device_memory_bytes
+
+    gpu = types.SimpleNamespace(get_device_properties=lambda device: types.SimpleNamespace(
+        total_memory=80 * 2**30))
+    assert device_memory_bytes(torch.device("cuda", 0), gpu=gpu) == 80 * 2**30
+    cfg = config_from_dict({"model": "debug", "train": {"dtype": "bf16"}})
+    need = cfg.model.num_params() * 18
+    check_fits(cfg, torch.device("cpu"), total=need)  # exactly enough: let through
+    with pytest.raises(UserError, match=r"x 18 B, train.dtype=bf16\), more than this cpu's"):
+        check_fits(cfg, torch.device("cpu"), total=need - 1)

@@ -155,6 +155,20 @@ def recorded_checkpointing(meta: dict[str, Any]) -> dict[str, Any]:
     return {k: table[k] for k in rf.inherited("checkpoint") if k in table}
 
 
+def _no_checkpoints(root) -> str:
+    """Why a run folder holds no checkpoint folder at all: no run there, or a run that saved
+    none (checkpoints are off unless --checkpoint-every is given)."""
+    run_dir = root.parent
+    if root.exists():
+        return ""
+    if not run_dir.is_dir():
+        return f"{run_dir} holds no run"
+    if (run_dir / "metrics.jsonl").is_file():
+        return ("the run there saved none: checkpoints are off unless --checkpoint-every N "
+                "is given")
+    return ""
+
+
 def check_resume(ckpt: CheckpointConfig, cfg: Any, plan: Any = _NO_PLAN) -> None:
     """`--resume`: a complete checkpoint (sizes checked here; checksums by the ranks) saved with
     this run's KEEP settings (and `plan`'s). Reads only: callable before the folder is claimed."""
@@ -163,7 +177,7 @@ def check_resume(ckpt: CheckpointConfig, cfg: Any, plan: Any = _NO_PLAN) -> None
     root = store.checkpoint_root(cfg.train.run_dir)
     found = store.find_latest(root, deep=False)
     if found.path is None:
-        why = "; ".join(f"{a}: {b}" for a, b in found.rejected)
+        why = "; ".join(f"{a}: {b}" for a, b in found.rejected) or _no_checkpoints(root)
         raise UserError(f"--resume: no complete checkpoint in {root}"
                         + (f" ({why})" if why else ""))
     check_compatible(store.read_meta(found.path), cfg, found.path, plan,

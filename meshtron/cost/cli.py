@@ -96,15 +96,16 @@ def token_budget(text: str) -> str:
 
 def _model_and_cluster(args: argparse.Namespace):
     """--model and --cluster, or with --plan the plan's own (a contradicting flag, or a
-    --global-batch / --seq-len the file does not hold: refused)."""
+    --global-batch / --seq-len / --dtype the file does not hold: refused)."""
     plan = None
     if args.plan:
-        from meshtron.planner.plan import load_plan
+        from meshtron.planner.plan import load_priced_plan
 
-        plan = load_plan(args.plan)
+        plan = load_priced_plan(args.plan)
         take_from_plan(args, plan, args.plan, require=True)
-        # a batch or length the file does not hold would re-price another run under its name
-        take_from_plan(args, plan, args.plan, flags=("global_batch", "seq_len"))
+        # a batch or length the file does not hold would re-price another run under its name;
+        # the plan's dtype is what is priced (a --dtype beside it was silently ignored)
+        take_from_plan(args, plan, args.plan, flags=("global_batch", "seq_len", "dtype"))
     for flag in ("model", "cluster"):
         if getattr(args, flag) is None:
             raise UserError(f"{flag}: required (or give --plan PLAN.toml, which names it)")

@@ -77,13 +77,14 @@ class TimelineCapture:
     def document(self, session, window_steps: int = WINDOW_STEPS) -> dict[str, Any] | None:
         """The rank's timeline of its last `window_steps` steady steps; None without steps."""
         steps = step_spans(list(session.step_times), session._started_t)
+        first = steps[0]["step"] if steps else None  # this launch's: step 1, or a resume's
         records = session.recorder.snapshot()
         oldest = min((r["enqueue_t"] for r in records), default=None)
         full = len(records) >= (session.recorder.records.maxlen or 0)
         # Steps older than the ring buffer's oldest record would look like pure compute.
         steps = [s for s in steps if not (full and oldest is not None and s["start_t"] < oldest)]
-        if len(steps) > 1:
-            steps = [s for s in steps if s["step"] != 1]  # start-up: not a steady step
+        if len(steps) > 1:  # start-up (and a resume's checkpoint load): not a steady step
+            steps = [s for s in steps if s["step"] != first]
         steps = steps[-window_steps:]
         if not steps:
             return None

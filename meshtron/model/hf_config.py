@@ -41,7 +41,10 @@ def from_hf_config(path: str | Path) -> ModelSpec:
 def _folder_name(path: Path) -> str:
     """The model's name: its folder's, or in Hugging Face's hub cache
     (`models--ORG--NAME/snapshots/REVISION/config.json`, huggingface_hub's cache layout) NAME,
-    not the revision's hash the folder is named after."""
+    not the revision's hash the folder is named after; a file not called config.json is named
+    after itself (configs/qwen3-8b.json and configs/llama-1b.json were both 'configs')."""
+    if path.name != "config.json":
+        return path.stem
     folder = path.parent
     repo = folder.parent.parent.name
     if folder.parent.name == "snapshots" and repo.startswith("models--"):

@@ -182,9 +182,21 @@ def saved_plan(args: argparse.Namespace, result: Any, gpus: int, batch: int, seq
     (frameworks.saved_fields), so that `cost`, `simulate` and `rehearse` price the same."""
     from meshtron.planner.frameworks import saved_fields
 
-    plan = result.best.to_plan(args.model, args.cluster, gpus, batch, seq,
-                               result.options.attention)
+    plan = result.best.to_plan(saved_path(args.model, model=True), saved_path(args.cluster),
+                               gpus, batch, seq, result.options.attention)
     return plan.replace(**saved_fields(result.framework)) if result.framework else plan
+
+
+def saved_path(text: str, model: bool = False) -> str:
+    """A --model / --cluster value as a saved plan records it: a file or folder absolute, since
+    `train`, `cost`, `simulate` and `rehearse --plan` read the plan from other folders (a path
+    relative to where `plan --save` ran was 'file does not exist' there); a preset as typed
+    (a model preset before a file of its name, as resolve_model reads it)."""
+    from meshtron.model.spec import PRESETS
+
+    if not text.strip() or (model and text in PRESETS) or not Path(text).exists():
+        return text
+    return str(Path(text).resolve())
 
 
 def parse_tokens(text: str) -> float:
@@ -292,9 +304,10 @@ def run(args: argparse.Namespace) -> int:
         batch = 1 << max(0, (DEFAULT_TOKENS_PER_STEP // seq).bit_length() - 1)
         notes.append(f"--global-batch not given: planning at {batch} sequences per step "
                      f"(about {DEFAULT_TOKENS_PER_STEP // 2**20}M tokens)")
-    from meshtron.planner.comm_flags import requested, search_knobs
+    from meshtron.planner.comm_flags import refuse_unread, requested, search_knobs
 
     comm = requested(args)  # priced on the searched layouts (search.py `_with_comm`)
+    refuse_unread(comm)
     knobs = {**search_knobs(comm, collect_knobs(args)), **comm}
     # a pinned layout (one layout left to the search) is priced even when predicted not to fit
     result = answer_pinned(search_plans(model, cluster, batch, seq, knobs, top_k=args.top,

@@ -13,6 +13,7 @@ import argparse
 from typing import Any
 
 from meshtron.argtypes import positive_int
+from meshtron.errors import UserError
 from meshtron.planner.plan import COMPRESS_SCOPES, COMPRESSIONS
 
 # flag -> (Plan field, argparse type, help)
@@ -68,3 +69,18 @@ def search_knobs(comm: dict[str, Any], knobs: dict[str, Any]) -> dict[str, Any]:
     if comm.get("diloco") and "zero" not in knobs:
         return {**knobs, "zero": 0}
     return knobs
+
+
+def refuse_unread(comm: dict[str, Any]) -> None:
+    """A flag that only tunes another one, given without it, changes nothing: refused in one
+    line (`--outer-lr 0.5` without --diloco trained and priced as without it, as
+    `--compress-scope inter_node` without --grad-compression is refused by the plan rules).
+    For a searched plan; a saved one's fields are restated, not set (compress/cli.py apply)."""
+    for name in ("outer_lr", "outer_momentum"):
+        if name in comm and not comm.get("diloco"):
+            raise UserError(f"--{name.replace('_', '-')}={comm[name]}: only with --diloco H > 0 "
+                            "(DiLoCo's outer step is all that reads it)")
+    block = comm.get("grad_compression_block")
+    if block is not None and comm.get("grad_compression") != "int8":
+        raise UserError(f"--grad-compression-block={block}: only with --grad-compression int8 "
+                        "(the size of its absmax blocks)")

@@ -333,10 +333,9 @@ def for_model(fw: Framework, model: Any) -> Framework:
 
 def load_options(path: str | Path) -> tuple[str | None, dict[str, Any]]:
     """(framework or None, [options] table) of an options TOML file."""
-    p = Path(path)
-    if not p.is_file():
-        what = "is a directory" if p.is_dir() else "file does not exist"
-        raise UserError(f"options={str(p)!r}: {what}")
+    from meshtron.argtypes import existing_file
+
+    p = existing_file(path, "options")  # missing, a folder, a device: each named as such
     try:
         doc = tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

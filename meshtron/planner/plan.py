@@ -553,6 +553,28 @@ def load_plan(path: str | Path) -> Plan:
     return Plan.from_dict(data)
 
 
+def load_priced_plan(path: str | Path) -> Plan:
+    """`load_plan` for the commands that price or run a plan's model from the file alone
+    (`cost`, `simulate --step`, `rehearse --plan`): a run folder's plan.toml names its model by
+    the run's name (`meshtron train` writes 'cfg' for cfg/config.json, no preset or file),
+    there the run.toml beside it, whose [model] table is that model (`--model` reads a TOML
+    file's model table). It said "model='cfg': the folder holds no config.json"."""
+    from meshtron.model.spec import PRESETS
+
+    plan = load_plan(path)
+    beside, named = Path(path).parent / "run.toml", Path(plan.model or "")
+    if (not plan.model or plan.model in PRESETS or named.is_file()
+            or (named / "config.json").is_file() or not beside.is_file()):
+        return plan
+    try:
+        model = tomllib.loads(beside.read_text()).get("model")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return plan
+    if isinstance(model, dict) and model.get("name") == plan.model:
+        return plan.replace(model=str(beside))
+    return plan
+
+
 def as_plan(obj: Any) -> Plan:
     """What the Python API accepts as a plan: a Plan, a saved plan file (str or Path), or a dict
     of Plan fields. Anything else is refused (it used to be read attribute by attribute, and a

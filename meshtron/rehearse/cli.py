@@ -85,9 +85,9 @@ def _resolve(args: argparse.Namespace):
     from meshtron.planner.search import search_plans
 
     if args.plan:
-        from meshtron.planner.plan import load_plan
+        from meshtron.planner.plan import load_priced_plan
 
-        plan = load_plan(args.plan)
+        plan = load_priced_plan(args.plan)
         _refuse_flags_the_plan_fixes(args, plan)
         model = load_model(args.model)
         cluster = resolve_cluster(args.cluster)

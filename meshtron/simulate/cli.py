@@ -120,9 +120,9 @@ def _fill_from_plan(args: argparse.Namespace):
         raise UserError(f"plan={args.plan!r}: applies to --step only (a sweep re-plans at "
                         "every size)")
     if args.plan:
-        from meshtron.planner.plan import load_plan
+        from meshtron.planner.plan import load_priced_plan
 
-        plan = load_plan(args.plan)
+        plan = load_priced_plan(args.plan)
         if plan.pipeline_runs > 1:  # step.py's graph is one schedule of all micro-batches
             raise UserError(f"plan.pipeline_runs={plan.pipeline_runs}: the step simulator "
                             "walks one pipeline schedule per step; price several schedule "

@@ -58,6 +58,10 @@ def train_here(job: TrainJob) -> int:
     check_resume(job.checkpoint, job.cfg, None)  # before the claim: a refusal writes nothing
     if said_finished(job):
         return 0
+    from meshtron.runtime import local_device
+    from meshtron.train.local_memory import check_fits
+
+    check_fits(job.cfg, local_device())  # a model that cannot fit one device: nothing written
     say_world(job.checkpoint, job.cfg, 1)
     claim_run_dir(job, plan=None)
     warn(job)  # once the input is known to be good

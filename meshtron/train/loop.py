@@ -73,6 +73,10 @@ class TrainResult:
     """Model parameters."""
     resumed_from_step: int = 0
     """The checkpoint step this attempt started from (0: a fresh start)."""
+    attempt_step_time_s: float | None = None
+    """Median seconds per step over this attempt's own steady steps (after
+    resumed_from_step + 1): what its plan's prediction is compared with, since an earlier
+    attempt may have run another layout (--resume on another --plan). None: none steady."""
     compile_time_s: float | None = None
     """Seconds this attempt spent in torch.compile (main rank; forward and backward graphs,
     recompilations and evaluation's graphs included), taken out of the step times above;
@@ -329,6 +333,7 @@ def _run_steps(engine, data, cfg, run_dir, show_progress, peak_flops, writers, c
                        wall_s=time.perf_counter() - start, tokens_per_s=clock.tokens_per_s(),
                        step_time_s=clock.median_step_s(), params=cfg.model.num_params(),
                        resumed_from_step=start_step, records=records,
+                       attempt_step_time_s=clock.median_step_s(this_attempt=True),
                        compile_time_s=compiled.total if compiled is not None else None)
 
 

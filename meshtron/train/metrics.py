@@ -94,9 +94,11 @@ class StepClock:
             return None
         return self.tokens_per_step * sum(iv[1] for iv in steady) / seconds
 
-    def median_step_s(self) -> float | None:
-        """Median seconds per step over the steady intervals (None for a one-step run)."""
-        steady = self._steady()
+    def median_step_s(self, this_attempt: bool = False) -> float | None:
+        """Median seconds per step over the steady intervals (None for a one-step run);
+        `this_attempt`: only this attempt's (from `first_step` on), not the earlier attempts'
+        added back from metrics.jsonl."""
+        steady = [iv for iv in self._steady() if not this_attempt or iv[0] >= self.first_step]
         return statistics.median(s / n for _, n, s, _ in steady) if steady else None
 
 

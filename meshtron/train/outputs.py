@@ -222,7 +222,8 @@ def print_result(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None
     ev = f", eval {summary['eval_loss']:.4f}" if summary.get("eval_loss") is not None else ""
     world = summary.get("world_size")
     ranks = f" on {world} rank{'s' if world != 1 else ''}" if world else ""
-    pred, meas = summary.get("predicted_step_time_s"), summary.get("step_time_s")
+    pred = summary.get("predicted_step_time_s")
+    meas = summary.get("measured_step_time_s", summary.get("step_time_s"))  # this attempt's
     vs = (f"; step time (median of steady steps) {meas:.3f} s vs planner {pred:.3f} s "
           f"(x{meas / pred:.2f})" if pred and meas else "")
     extra = f", memory in {run_dir}/memory.json" if summary.get("world_size") else ""

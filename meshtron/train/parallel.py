@@ -282,7 +282,9 @@ def train_on_rank(cfg: RunConfig, plan, world: World, device: torch.device,
         return None
     predicted = plan.predicted or {}
     summary = {**result.to_dict(), "plan": plan.to_dict(), "world_size": world.world_size,
-               "measured_step_time_s": result.step_time_s,
+               # this attempt's steps: the plan predicted is this attempt's (a --resume may
+               # change the layout; step_time_s spans every attempt's steps)
+               "measured_step_time_s": result.attempt_step_time_s,
                "predicted_step_time_s": predicted.get("step_time_s"), **comm}
     if ckpt is not None and ckpt.snapshots is not None:  # host memory: own + peer copy
         summary["snapshot"] = ckpt.snapshots.summary()

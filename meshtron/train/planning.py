@@ -144,6 +144,9 @@ def resolve_run_plan(cfg: RunConfig, request: ParallelRequest, world_size: int,
     elif is_plan_file(request.plan):
         plan = apply_comm(_saved_plan(cfg, request), request.comm, saved=True)
     else:
+        from meshtron.planner.comm_flags import refuse_unread
+
+        refuse_unread(request.comm)
         plan = apply_comm(_searched_plan(cfg, request, world_size, cluster), request.comm,
                           saved=False)
     if cfg.train.compile and not plan.compile:  # --compile on a saved eager plan: the plan
@@ -257,6 +260,10 @@ def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cl
     best = result.best
     if best is None:
         near = result.near_miss
+        if near is None and result.refused:  # not memory: every point broke a rule (as
+            # `meshtron plan` says, report_warnings.render_no_fit), e.g. pp=2 on one micro-batch
+            raise UserError(f"plan={request.plan!r}: no plan of {world_size} ranks runs for "
+                            f"model {cfg.model.name}: {result.refused}")
         need = f"; the leanest plan needs {near.memory.total:.2f} GiB per rank" if near else ""
         raise UserError(f"plan={request.plan!r}: no plan fits {world_size} ranks of "
                         f"{sized.memory_gib:.1f} GiB for model {cfg.model.name}{need}")
