@@ -324,3 +324,17 @@ def test_the_v_of_many_ranks_is_priced_from_a_few_rounds():
     worst = max(sum(f[s] + b[s] + w[s] for s in mine) for mine in ranks)
     want = pipeline_zb.walk(p, v, m, f, b, w) - m * worst
     assert pipeline_zb.chunk_bubble(v, m, *per) == pytest.approx(want, rel=1e-12, abs=1e-9)
+
+
+def test_ranks_of_nearly_equal_work_are_not_carried_by_a_gap_the_tolerance_hides():
+    """One stage per rank, rank 2's forward 2e-9 longer and its input gradient 1.3e-9
+    shorter (its work 7e-10 less than the others'): it is not yet held by the slowest
+    chain, its operations shift by its own work, 2.7e-9 a round less than the others'. A
+    tolerance of 1e-12 of the step accepted that at 192 rounds and carried the gap over
+    every later one (the idle 5e-6 short at 8000 micro-batches); to rounding, the walk
+    goes on and the idle is the walk of all m."""
+    f, b, w = (1.0, 1.0, 1.0 + 2e-9, 1.0), (2.0, 2.0, 2.0 - 4e-9 / 3, 2.0), (0.5,) * 4
+    m = 8000
+    worst = max(x + y + z for x, y, z in zip(f, b, w))
+    want = pipeline_zb.walk(4, 1, m, list(f), list(b), list(w)) - m * worst
+    assert pipeline_zb.stage_bubble(1, m, f, b, w) == pytest.approx(want, rel=1e-9)

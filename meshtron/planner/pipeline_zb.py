@@ -446,14 +446,18 @@ def _round_shift(p: int, v: int, runs: int, schedule: str, end: list[float]) -> 
     """The time by which every operation of the three rounds before the drain's
     (`_drain_rounds`) of each rank's order (a round: p micro-batches, 2 v p operations per
     rank for interleaved 1F1B, 3 v p for 'zb') ends after its namesake a round earlier, when
-    that is one time for every rank and operation (to 1e-12 of the step); None otherwise,
+    that is one time for every rank and operation (to rounding); None otherwise,
     or when the walk is too short to hold them after the warm-up."""
     per = (2 if schedule == "interleaved" else 3) * v * p
     tail = _drain_rounds(p, v, schedule) * per
     chains = _rank_chains(p, v, runs, schedule)
     if min(len(c) for c in chains) < 5 * per + tail:
         return None
-    tol = 1e-12 * max(end)
+    # rounding only: the path from an operation to its namesake a round later adds at most
+    # the p rounds of operations of all ranks, each addition within half an ulp of the
+    # largest end; 1e-12 of the step accepted ranks of nearly equal work whose gap was
+    # real, and carried that gap over every round (tests/test_pipeline_zb.py)
+    tol = p * per * 2.0 ** -52 * max(end)
     shift = end[chains[0][-tail - per]] - end[chains[0][-tail - 2 * per]]
     for chain in chains:
         n = len(chain)
