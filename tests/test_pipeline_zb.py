@@ -254,3 +254,87 @@ def test_many_micro_batches_are_priced_from_a_few_rounds(v):
             assert m * worst + got == pytest.approx(max(walked, m * worst), rel=1e-9), (p, m)
             grew += got > 2 * p * worst
     assert grew or v == 1  # some idle grew with m: the carried growth was priced
+
+
+def _input(op: tuple[str, int, int], nv: int) -> tuple[str, int, int] | None:
+    kind, s, mb = op  # F needs F of s - 1, B needs B of s + 1 (the last stage its F), W its B
+    if kind == "F":
+        return ("F", s - 1, mb) if s else None
+    if kind == "B":
+        return ("B", s + 1, mb) if s < nv - 1 else ("F", s, mb)
+    return ("B", s, mb)
+
+
+@pytest.mark.parametrize("schedule,v", [("zb", 1), ("zb", 2), ("zb", 3), ("zb", 4),
+                                        ("interleaved", 2), ("interleaved", 3)])
+def test_the_round_shift_reads_rounds_before_every_ranks_drain(schedule, v):
+    """What carries `_long_idle`'s shift to m, read from the orders (not from times), for the
+    walks it reads (the first, doubled, and one to p - 1 micro-batches more where the order
+    repeats every micro-batch), D = `_drain_rounds` rounds of P operations: the order of p
+    micro-batches more is this one up to its last D rounds on each rank and this one's rest
+    a round later from there (a round inserted before the drain); the three rounds
+    `_round_shift` compares repeat the round before them; every input of an operation after
+    them lies in them or after; no operation before the last D rounds waits on one in
+    them. The V's rank 0 drains 7p - 5 operations, over a round of 6p from p = 6: with one
+    round kept off the end its walks never found a shift and walked all m."""
+    for p in range(2, 13):
+        nv, d = p * v, pipeline_zb._drain_rounds(p, v, schedule)
+        per = (2 if schedule == "interleaved" else 3) * v * p
+        first = (5 + d) * p
+        runs = [first, 2 * first] + ([first + r for r in range(1, p)]
+                                     if schedule == "zb" and v <= 2 else [])
+        for m in runs:
+            now = pipeline_zb.cached_orders(p, v, m, schedule)
+            more = pipeline_zb.cached_orders(p, v, m + p, schedule)
+            at = {op: (r, k) for r, ops in enumerate(now) for k, op in enumerate(ops)}
+            ends = [len(ops) for ops in now]
+            assert min(ends) >= (5 + d) * per, (p, m)
+            later = lambda op: (op[0], op[1], op[2] + p)  # noqa: E731 - its namesake a round on
+            for r, (ops, ops2) in enumerate(zip(now, more)):
+                n, cut = ends[r], ends[r] - d * per
+                assert ops2[:cut] == ops[:cut], (p, m, r)
+                assert ops2[cut:] == tuple(later(op) for op in ops[cut - per:]), (p, m, r)
+                assert all(ops[k] == later(ops[k - per]) for k in range(cut - 3 * per, cut))
+                for k, op in enumerate(ops):
+                    need = _input(op, nv)
+                    if need is None:
+                        continue
+                    r2, q = at[need]
+                    if k >= cut - per:  # after the compared rounds: its input in them or after
+                        assert q >= ends[r2] - (d + 4) * per, (p, m, r, op)
+                    else:  # before the drain: its input too
+                        assert q < ends[r2] - d * per, (p, m, r, op)
+
+
+def test_the_v_of_many_ranks_is_priced_from_a_few_rounds():
+    """ZB-V (v = 2) at p = 8, chunks of unequal work: a walk of a few rounds finds the shift
+    (`_drain_rounds`: the V's drain is over a round from p = 6 on) and the carried idle equals
+    the walk of all m micro-batches."""
+    rng = random.Random(5408)
+    p, v = 8, 2
+    f = [rng.uniform(0.8, 1.2) for _ in range(p * v)]
+    f[3] *= 3.0
+    b = [2.0 * x * rng.uniform(0.9, 1.1) for x in f]
+    w = [rng.uniform(0.3, 1.0) * x for x in f]
+    per = (tuple(f), tuple(b), tuple(w))
+    m = 40 * p + 5
+    assert any(pipeline_zb._span_and_shift(p, v, runs, "zb", per)[1] is not None
+               for runs in (7 * p, 14 * p, 28 * p))
+    ranks = [[s for s in range(p * v) if pipeline_zb.stage_rank(p, v, s) == r] for r in range(p)]
+    worst = max(sum(f[s] + b[s] + w[s] for s in mine) for mine in ranks)
+    want = pipeline_zb.walk(p, v, m, f, b, w) - m * worst
+    assert pipeline_zb.chunk_bubble(v, m, *per) == pytest.approx(want, rel=1e-12, abs=1e-9)
+
+
+def test_ranks_of_nearly_equal_work_are_not_carried_by_a_gap_the_tolerance_hides():
+    """One stage per rank, rank 2's forward 2e-9 longer and its input gradient 1.3e-9
+    shorter (its work 7e-10 less than the others'): it is not yet held by the slowest
+    chain, its operations shift by its own work, 2.7e-9 a round less than the others'. A
+    tolerance of 1e-12 of the step accepted that at 192 rounds and carried the gap over
+    every later one (the idle 5e-6 short at 8000 micro-batches); to rounding, the walk
+    goes on and the idle is the walk of all m."""
+    f, b, w = (1.0, 1.0, 1.0 + 2e-9, 1.0), (2.0, 2.0, 2.0 - 4e-9 / 3, 2.0), (0.5,) * 4
+    m = 8000
+    worst = max(x + y + z for x, y, z in zip(f, b, w))
+    want = pipeline_zb.walk(4, 1, m, list(f), list(b), list(w)) - m * worst
+    assert pipeline_zb.stage_bubble(1, m, f, b, w) == pytest.approx(want, rel=1e-9)

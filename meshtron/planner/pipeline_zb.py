@@ -416,11 +416,12 @@ def _long_idle(p: int, v: int, m: int, schedule: str, per: tuple, worst: float) 
     on 32 GPUs, +0.93 s every 16 micro-batches, which the search walked to 32,768
     micro-batches: minutes and gigabytes).
 
-    Walks of 6p micro-batches first, doubling until the shift is uniform (the walk of m
-    when it never is below m); they stay independent of m (but that last), so plans of
-    other data-parallel degrees (other m, same chunk times; the sweeps of `meshtron
-    simulate` search many) reuse them (`_span_and_shift`)."""
-    runs = 6 * p  # the fewest `_round_shift` reads
+    Walks of 6p micro-batches first (7p for the V from p = 6: `_drain_rounds`), doubling
+    until the shift is uniform (the walk of m when it never is below m); they stay
+    independent of m (but that last), so plans of other data-parallel degrees (other m, same
+    chunk times; the sweeps of `meshtron simulate` search many) reuse them
+    (`_span_and_shift`)."""
+    runs = (5 + _drain_rounds(p, v, schedule)) * p  # the fewest `_round_shift` reads
     while runs < m:
         span, shift = _span_and_shift(p, v, runs, schedule, per)
         if shift is not None:
@@ -442,25 +443,41 @@ def _span_and_shift(p: int, v: int, runs: int, schedule: str,
 
 
 def _round_shift(p: int, v: int, runs: int, schedule: str, end: list[float]) -> float | None:
-    """The time by which every operation of rounds 3..5 from the end of each rank's order (a
-    round: p micro-batches, 2 v p operations per rank for interleaved 1F1B, 3 v p for 'zb')
-    ends after its namesake a round earlier, when that is one time for every rank and
-    operation (to 1e-12 of the step); None otherwise, or when the walk is too short to hold
-    them after the warm-up. A rank's drain (its last backwards and weight passes) is shorter
-    than a round: interleaved at most (v - 1) p + 2 (p - 1) backwards, ZB1P that many input
-    and weight gradients and r weight passes more, the V 2p + 3 (p - r)."""
+    """The time by which every operation of the three rounds before the drain's
+    (`_drain_rounds`) of each rank's order (a round: p micro-batches, 2 v p operations per
+    rank for interleaved 1F1B, 3 v p for 'zb') ends after its namesake a round earlier, when
+    that is one time for every rank and operation (to rounding); None otherwise,
+    or when the walk is too short to hold them after the warm-up."""
     per = (2 if schedule == "interleaved" else 3) * v * p
+    tail = _drain_rounds(p, v, schedule) * per
     chains = _rank_chains(p, v, runs, schedule)
-    if min(len(c) for c in chains) < 6 * per:
+    if min(len(c) for c in chains) < 5 * per + tail:
         return None
-    tol = 1e-12 * max(end)
-    shift = end[chains[0][-2 * per]] - end[chains[0][-3 * per]]
+    # rounding only: the path from an operation to its namesake a round later adds at most
+    # the p rounds of operations of all ranks, each addition within half an ulp of the
+    # largest end; 1e-12 of the step accepted ranks of nearly equal work whose gap was
+    # real, and carried that gap over every round (tests/test_pipeline_zb.py)
+    tol = p * per * 2.0 ** -52 * max(end)
+    shift = end[chains[0][-tail - per]] - end[chains[0][-tail - 2 * per]]
     for chain in chains:
         n = len(chain)
-        for j in range(n - 5 * per, n - 2 * per):
+        for j in range(n - tail - 4 * per, n - tail - per):
             if abs(end[chain[j + per]] - end[chain[j]] - shift) > tol:
                 return None
     return shift
+
+
+def _drain_rounds(p: int, v: int, schedule: str) -> int:
+    """Whole rounds at the end of each rank's order that hold its drain (the operations where
+    the order of p micro-batches more differs from it: `_round_shift` reads the rounds before
+    them). One for interleaved 1F1B (at most (v - 1) p + 2 (p - 1) backwards of 2 v p) and
+    ZB1P (as many input and weight gradients and r weight passes more, of 3 v p); the V's rank
+    r drains 7p - 5 - 3r operations (its last second-chunk forwards without a first-chunk
+    one, then its backwards and weight passes), over a round of 6p from p = 6 on
+    (tests/test_pipeline_zb.py reads them from the orders)."""
+    if schedule == "zb" and v == 2:
+        return -(-(7 * p - 5) // (6 * p))
+    return 1
 
 
 @lru_cache(maxsize=256)
