@@ -103,3 +103,38 @@ def test_a_run_folders_plan_of_a_config_json_model_is_priced(tmp_path, monkeypat
     assert json.loads(out)["step_time_s"] == pytest.approx(predicted, rel=1e-3)
     rc, out, err = meshtron_main("simulate", "--step", "--plan", "../run/plan.toml")
     assert rc == 0 and "simulated" in out, err
+
+
+def test_a_run_on_a_cluster_file_records_the_file_for_cost(tmp_path, monkeypatch):
+    """Audit s54: a run trained with `--cluster cal/box.toml` (a calibration's file) recorded
+    the cluster by its stem ('box') in plan.toml, and `cost --plan RUN/plan.toml` refused it
+    ("expected a preset ... or a TOML file path"), `--cluster cal/box.toml` as a
+    contradiction. The plan now records the file by its absolute path: priced from another
+    folder as the run predicted."""
+    import json
+
+    from testkit.cli_inproc import meshtron_main
+
+    (tmp_path / "cal").mkdir()
+    (tmp_path / "cal" / "box.toml").write_text(
+        "peak_tflops = 0.2\nmemory_gib = 4\ngpus_per_node = 1\nnodes = 1\n"
+        "intra_node_gb_per_s = 5\ninter_node_gb_per_s = 5\nhost_memory_gib = 16\n")
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = meshtron_main("train", "--model", "debug", "--cluster", "cal/box.toml",
+                               "--zero", "1", "--steps", "1", "--eval-every", "0", "--seq-len",
+                               "32", "--global-batch", "4", "--run-dir", "run")
+    assert rc == 0, err
+    saved = (tmp_path / "run" / "plan.toml").read_text()
+    assert f'cluster = "{tmp_path / "cal" / "box.toml"}"' in saved, saved
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    rc, out, err = meshtron_main("cost", "--plan", "../run/plan.toml", "--price-on-demand", "1",
+                                 "--gpu-watts", "100", "--runs", "50", "--json")
+    assert rc == 0, err
+    predicted = json.loads((tmp_path / "run" / "summary.json").read_text())[
+        "predicted_step_time_s"]
+    assert json.loads(out)["step_time_s"] == pytest.approx(predicted, rel=1e-3)
+    rc, out, err = meshtron_main("cost", "--plan", "../run/plan.toml", "--cluster",
+                                 "../cal/box.toml", "--price-on-demand", "1", "--gpu-watts",
+                                 "100", "--runs", "50")
+    assert rc == 0, err

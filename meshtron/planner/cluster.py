@@ -241,6 +241,11 @@ class ClusterSpec:
     """How much `meshtron calibrate`'s repeats of each figure disagreed (interquartile range /
     median; the TOML gives a table, figure -> fraction): past NOISY_SPREAD, plan and train say
     the figures are noisy (`noise_note`). Never changes a prediction."""
+    file: str | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The cluster TOML it was read from, absolute (None: a preset or built in code): what a
+    run's plan.toml records, so that `cost`, `simulate` and `rehearse --plan RUN/plan.toml`
+    read the same figures again (the file's stem, its `name`, resolves nowhere). Not one of
+    its figures: left out of `to_dict` and of comparisons."""
 
     def __post_init__(self) -> None:
         for field in ("peak_tflops", "memory_gib", "intra_node_gb_per_s", "inter_node_gb_per_s"):
@@ -370,7 +375,8 @@ class ClusterSpec:
         return dataclasses.replace(self, nodes=nodes, name=re.sub(r":\d+$", f":{nodes}", self.name))
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        out = {k: v for k, v in dataclasses.asdict(self).items()
+               if v is not None and k != "file"}
         if self.gemm_efficiency is not None:
             out["gemm_efficiency"] = [dataclasses.asdict(g) for g in self.gemm_efficiency]
         if self.measurement_spread is not None:
@@ -538,7 +544,8 @@ def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpe
 def load_cluster_toml(path: str | Path) -> ClusterSpec:
     from meshtron.config import load_toml
 
-    return cluster_from_dict(load_toml(path, field="cluster"), name=Path(path).stem)
+    spec = cluster_from_dict(load_toml(path, field="cluster"), name=Path(path).stem)
+    return dataclasses.replace(spec, file=str(Path(path).resolve()))
 
 
 def resolve_cluster(text: str | Path | ClusterSpec) -> ClusterSpec:

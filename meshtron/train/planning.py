@@ -267,8 +267,11 @@ def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cl
         need = f"; the leanest plan needs {near.memory.total:.2f} GiB per rank" if near else ""
         raise UserError(f"plan={request.plan!r}: no plan fits {world_size} ranks of "
                         f"{sized.memory_gib:.1f} GiB for model {cfg.model.name}{need}")
-    plan = best.to_plan(cfg.model.name, cluster.name, world_size, cfg.data.global_batch,
-                        cfg.data.seq_len, attention=result.options.attention)
+    # a cluster file by its path (a calibration's stem, e.g. 'local-1', resolves nowhere:
+    # `cost --plan RUN/plan.toml` refused it)
+    plan = best.to_plan(cfg.model.name, cluster.file or cluster.name, world_size,
+                        cfg.data.global_batch, cfg.data.seq_len,
+                        attention=result.options.attention)
     if plan.dtype != cfg.train.dtype:  # FP8 priced as bf16 above: the plan the ranks run (and
         # plan.toml) carries the precision the user asked for, as a one-process run trains it
         plan = dataclasses.replace(plan, dtype=cfg.train.dtype,
