@@ -23,7 +23,7 @@ from typing import Any
 
 from meshtron.errors import UserError
 from meshtron.argtypes import read_text
-from meshtron.model.spec import PRESETS, ModelSpec, resolve_model
+from meshtron.model.spec import PRESETS, ModelSpec, not_a_preset_name, resolve_model
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -314,7 +314,7 @@ def model_from_value(value: Any) -> ModelSpec:
                                  f"{', '.join(fields)}")
         kwargs = {k: _coerce(f"model.{k}", v, fields[k]) for k, v in table.items()}
         if base is not None:
-            return base.replace(**kwargs)
+            return not_a_preset_name(base.replace(**kwargs))
         kwargs.setdefault("name", "custom")
         try:
             return ModelSpec(**kwargs)

@@ -138,3 +138,44 @@ def test_a_run_on_a_cluster_file_records_the_file_for_cost(tmp_path, monkeypatch
                                  "../cal/box.toml", "--price-on-demand", "1", "--gpu-watts",
                                  "100", "--runs", "50")
     assert rc == 0, err
+
+
+def test_a_model_bearing_a_presets_name_but_not_its_shapes_is_not_priced_as_the_preset(
+        tmp_path, monkeypatch):
+    """Audit s54: a config.json in a folder named like a preset ('debug/config.json', as
+    `--local-dir llama3-8b` makes) was named after the preset, so the run's plan.toml said
+    model = "debug" and `cost --plan RUN/plan.toml` priced the preset, not the run's model (a
+    step time the run never predicted); a preset with overrides in a run file the same. Such
+    a model is 'debug-custom'; the same shapes keep the preset's name."""
+    import json
+
+    from meshtron.config import model_from_value
+    from meshtron.model.spec import PRESETS, resolve_model
+    from testkit.cli_inproc import meshtron_main
+
+    (tmp_path / "debug").mkdir()
+    (tmp_path / "debug" / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("debug/config.json").name == "debug-custom"
+    assert model_from_value({"preset": "debug", "layers": 3}).name == "debug-custom"
+    assert model_from_value({"preset": "debug"}).name == "debug"
+    assert model_from_value(PRESETS["debug"].to_dict()).name == "debug"
+    rc, _, err = meshtron_main("train", "--model", "debug", "--zero", "1", "--steps", "1",
+                               "--eval-every", "0", "--seq-len", "32", "--global-batch", "4",
+                               "--run-dir", "preset")
+    assert rc == 0, err
+    rc, _, err = meshtron_main("train", "--model", "debug/", "--zero", "1", "--steps", "1",
+                               "--eval-every", "0", "--seq-len", "32", "--global-batch", "4",
+                               "--run-dir", "run")
+    assert rc == 0, err
+    assert 'model = "debug-custom"' in (tmp_path / "run" / "plan.toml").read_text()
+    steps = {}
+    for run in ("preset", "run"):
+        rc, out, err = meshtron_main("cost", "--plan", f"{run}/plan.toml", "--price-on-demand",
+                                     "1", "--gpu-watts", "100", "--runs", "50", "--json")
+        assert rc == 0, err
+        predicted = json.loads((tmp_path / run / "summary.json").read_text())[
+            "predicted_step_time_s"]
+        steps[run] = json.loads(out)["step_time_s"]
+        assert steps[run] == pytest.approx(predicted, rel=1e-3), run
+    assert steps["run"] != pytest.approx(steps["preset"], rel=1e-2)  # two models, two prices

@@ -89,6 +89,22 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
+def not_a_preset_name(spec: ModelSpec) -> ModelSpec:
+    """`spec`, renamed '<name>-custom' when it bears a preset's name but not that preset's
+    shapes: a config.json in a folder called llama3-8b (`--local-dir llama3-8b`), a file
+    configs/debug.json, or a preset with overrides (a run file's [model] preset plus fields).
+    A plan or run records a model by its name, and `cost`, `simulate`, `rehearse` and
+    `train --plan` resolve that name to the preset: priced as the preset, accepted as the
+    same model (audit s54). The same shapes keep the name (notes aside)."""
+    same = PRESETS.get(spec.name)
+    if same is None:
+        return spec
+    ignore = {"name": "", "train_notes": ()}
+    if {**spec.to_dict(), **ignore} == {**same.to_dict(), **ignore}:
+        return spec
+    return spec.replace(name=f"{spec.name}-custom")
+
+
 def preset(name: str) -> ModelSpec:
     try:
         return PRESETS[name]
@@ -110,7 +126,8 @@ def resolve_model(model: str | Path) -> ModelSpec:
         if not (path / "config.json").is_file():
             raise UserError(f"model={text!r}: the folder holds no config.json (give a preset "
                             f"or a Hugging Face model folder or config.json)")
-        return from_hf_config(path / "config.json")
+        return not_a_preset_name(from_hf_config(path / "config.json"))
     if text.endswith(".json") or path.exists() or "/" in text or text.startswith("."):
-        return from_hf_config(path)  # a path, not a preset: say what is wrong with the file
+        # a path, not a preset: say what is wrong with the file
+        return not_a_preset_name(from_hf_config(path))
     return preset(text)
