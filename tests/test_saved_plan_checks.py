@@ -95,12 +95,7 @@ def test_a_run_folders_plan_of_a_config_json_model_is_priced(tmp_path, monkeypat
     assert 'model = "cfg"' in (tmp_path / "run" / "plan.toml").read_text()
     (tmp_path / "sub").mkdir()
     monkeypatch.chdir(tmp_path / "sub")  # where 'cfg' is no folder: the run's own model
-    rc, out, err = meshtron_main("cost", "--plan", "../run/plan.toml", "--price-on-demand", "1",
-                                 "--gpu-watts", "100", "--runs", "50", "--json")
-    assert rc == 0, err
-    predicted = json.loads((tmp_path / "run" / "summary.json").read_text())[
-        "predicted_step_time_s"]
-    assert json.loads(out)["step_time_s"] == pytest.approx(predicted, rel=1e-3)
+    _priced_as_predicted("../run/plan.toml", tmp_path / "run")
     rc, out, err = meshtron_main("simulate", "--step", "--plan", "../run/plan.toml")
     assert rc == 0 and "simulated" in out, err
 
@@ -111,8 +106,6 @@ def test_a_run_on_a_cluster_file_records_the_file_for_cost(tmp_path, monkeypatch
     ("expected a preset ... or a TOML file path"), `--cluster cal/box.toml` as a
     contradiction. The plan now records the file by its absolute path: priced from another
     folder as the run predicted."""
-    import json
-
     from testkit.cli_inproc import meshtron_main
 
     (tmp_path / "cal").mkdir()
@@ -128,12 +121,7 @@ def test_a_run_on_a_cluster_file_records_the_file_for_cost(tmp_path, monkeypatch
     assert f'cluster = "{tmp_path / "cal" / "box.toml"}"' in saved, saved
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
-    rc, out, err = meshtron_main("cost", "--plan", "../run/plan.toml", "--price-on-demand", "1",
-                                 "--gpu-watts", "100", "--runs", "50", "--json")
-    assert rc == 0, err
-    predicted = json.loads((tmp_path / "run" / "summary.json").read_text())[
-        "predicted_step_time_s"]
-    assert json.loads(out)["step_time_s"] == pytest.approx(predicted, rel=1e-3)
+    _priced_as_predicted("../run/plan.toml", tmp_path / "run")
     rc, out, err = meshtron_main("cost", "--plan", "../run/plan.toml", "--cluster",
                                  "../cal/box.toml", "--price-on-demand", "1", "--gpu-watts",
                                  "100", "--runs", "50")
@@ -171,11 +159,21 @@ def test_a_model_bearing_a_presets_name_but_not_its_shapes_is_not_priced_as_the_
     assert 'model = "debug-custom"' in (tmp_path / "run" / "plan.toml").read_text()
     steps = {}
     for run in ("preset", "run"):
-        rc, out, err = meshtron_main("cost", "--plan", f"{run}/plan.toml", "--price-on-demand",
-                                     "1", "--gpu-watts", "100", "--runs", "50", "--json")
-        assert rc == 0, err
-        predicted = json.loads((tmp_path / run / "summary.json").read_text())[
-            "predicted_step_time_s"]
-        steps[run] = json.loads(out)["step_time_s"]
-        assert steps[run] == pytest.approx(predicted, rel=1e-3), run
+        steps[run] = _priced_as_predicted(f"{run}/plan.toml", tmp_path / run)
     assert steps["run"] != pytest.approx(steps["preset"], rel=1e-2)  # two models, two prices
+
+
+def _priced_as_predicted(plan: str, run) -> float:
+    """`cost --plan PLAN`'s step time, asserted equal to what the run folder `run` predicted
+    (summary.json) for its own steps."""
+    import json
+
+    from testkit.cli_inproc import meshtron_main
+
+    rc, out, err = meshtron_main("cost", "--plan", plan, "--price-on-demand", "1",
+                                 "--gpu-watts", "100", "--runs", "50", "--json")
+    assert rc == 0, err
+    step = json.loads(out)["step_time_s"]
+    predicted = json.loads((run / "summary.json").read_text())["predicted_step_time_s"]
+    assert step == pytest.approx(predicted, rel=1e-3), plan
+    return step
