@@ -15,6 +15,16 @@ def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_a_one_step_run_says_one_step_and_why_it_has_no_rate(capsys, tmp_path):
+    """Audit s54: the closing line of a one-step run read "1 steps" and "n/a (one step)
+    tok/s"; the rate is the steady steps' (step 1 excluded), so a one-step run has none."""
+    run = tmp_path / "r"
+    assert main(["train", "--model", "debug", "--steps", "1", "--seq-len", "32",
+                 "--global-batch", "4", "--eval-every", "0", "--run-dir", str(run)]) == 0
+    console = "".join(capsys.readouterr())
+    assert "1 step, loss" in console and "no steady tok/s (one step)" in console, console
+
+
 def test_step_numbering_and_throughput_agree_everywhere(capsys, tmp_path):
     run = tmp_path / "r"
     assert main(["train", *RUN, "--run-dir", str(run)]) == 0

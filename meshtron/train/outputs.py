@@ -212,7 +212,8 @@ def _router_panels(ax_imb, ax_load, moe: list[dict[str, Any]]) -> None:
 
 
 def _rate(value: float | None) -> str:
-    return "n/a (one step)" if value is None else f"{value:,.0f}"
+    """Steady tokens/s, or why there is none (a one-step run has no step after the first)."""
+    return "no steady tok/s (one step)" if value is None else f"{value:,.0f} tok/s"
 
 
 def print_result(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None:
@@ -232,8 +233,9 @@ def print_result(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None
     vs += _comm_words(summary)
     Console().print(
         f"[bold]done[/]: {cfg.model.name} ({summary['params']:,} params){ranks}, "
-        f"{summary['steps']} steps, loss {summary['first_loss']:.4f} -> "
-        f"{summary['final_loss']:.4f}{ev} nats/token, {_rate(summary['tokens_per_s'])} tok/s, "
+        f"{summary['steps']} step{'s' if summary['steps'] != 1 else ''}, loss "
+        f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}{ev} nats/token, "
+        f"{_rate(summary['tokens_per_s'])}, "
         f"{summary['wall_s']:.1f} s{compiled}{vs}; metrics in {run_dir}/metrics.jsonl, curves in "
         f"{run_dir}/curves.png{extra}", soft_wrap=True)
 
