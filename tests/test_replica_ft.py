@@ -112,6 +112,13 @@ def test_replica_ft_steps_through_a_killed_group_and_the_rejoined_weights_are_eq
     (["train", *RUN, "--replica-ft", "2", "--snapshot-every", "2"], "drop --snapshot-every=2"),
     (["cost", "--model", "llama3-8b", "--cluster", "dgx-h100:8", "--global-batch", "64",
       "--seq-len", "4096", "--replica-groups", "65"], "replica-groups=65"),
+    # audit s54: 3 replica groups of a plan's dp (1, 2, 4 or 8 on 8 GPUs) is no layout,
+    # and was priced as one
+    (["cost", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch", "64",
+      "--seq-len", "4096", "--replica-groups", "3"], "ranks cannot form 3 replica groups"),
+    (["simulate", "--step", "--model", "llama3-8b", "--cluster", "dgx-h100:1",
+      "--global-batch", "64", "--seq-len", "4096", "--replica-groups", "3"],
+     "ranks cannot form 3 replica groups"),
     (["simulate", "--model", "llama3-8b", "--global-batch", "64", "--seq-len", "4096",
       "--mtbf-hours", "2"], "mtbf-hours=2.0: applies to --step only"),
     (["simulate", "--model", "llama3-8b", "--cluster", "dgx-h100:8", "--global-batch", "64",

@@ -272,7 +272,7 @@ def goodput_section(args: argparse.Namespace, spec, plan) -> tuple[dict[str, Any
     from meshtron.cost.model import FAILURES_ONLY
     from meshtron.reliability.goodput import (DEFAULT_PEER_GB_PER_S, at_job_scale, goodput_doc,
                                               goodput_table, load_recovery_times,
-                                              render_goodput)
+                                              render_goodput, replica_groups)
 
     # One restart time for the header and this table: the cost model's job restart (default
     # or --restart-min), not the seconds measured on a 2-rank CPU run (reliability/goodput.py
@@ -280,7 +280,7 @@ def goodput_section(args: argparse.Namespace, spec, plan) -> tuple[dict[str, Any
     label = (f"--restart-min {args.restart_min:g}" if args.restart_min is not None
              else "default 10 min, --restart-min")
     times = at_job_scale(load_recovery_times(), spec.restart_s, label)
-    groups = args.replica_groups if args.replica_groups is not None else plan.replicas
+    groups = replica_groups(args.replica_groups, plan.dp, plan.replicas)
     bw = args.peer_gb_per_s if args.peer_gb_per_s is not None else DEFAULT_PEER_GB_PER_S
     rows = goodput_table(spec.step_time_s, spec.mtbf_s, spec.params, spec.gpus, spec.save_s,
                          groups, times, peer_gb_per_s=bw)

@@ -191,6 +191,20 @@ def replica_goodput(step_s: float, mtbf_s: float, groups: int, stall_s: float,
     return max(0.0, 1.0 - lost / mtbf_s), lost
 
 
+def replica_groups(requested: int | None, dp: int, replicas: int) -> int:
+    """The replica groups the replica-FT row prices: the plan's replicated groups, or
+    `--replica-groups` G, a what-if of the plan's dp data-parallel ranks regrouped into G
+    replicas (HSDP's dp_replicate; torchft's replica groups). G must divide dp: 3 groups of 4
+    ranks' worth of replicas is no layout, and was priced as one."""
+    if requested is None:
+        return replicas
+    if dp % requested:
+        allowed = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+        raise UserError(f"--replica-groups={requested}: the plan's dp={dp} data-parallel "
+                        f"ranks cannot form {requested} replica groups; allowed: {allowed}")
+    return requested
+
+
 def goodput_table(step_s: float, mtbf_s: float, params: float, gpus: int, save_s: float,
                   replica_groups: int, times: RecoveryTimes,
                   peer_gb_per_s: float = DEFAULT_PEER_GB_PER_S,

@@ -317,7 +317,8 @@ def _goodput(args: argparse.Namespace, model, est, step_s: float):
     from meshtron.reliability import DEFAULT_GPU_FAILURES_PER_HOUR, cluster_mtbf_s
     from meshtron.cost.model import DEFAULT_RESTART_S
     from meshtron.reliability.goodput import (at_job_scale, goodput_doc, goodput_table,
-                                              load_recovery_times, render_goodput)
+                                              load_recovery_times, render_goodput,
+                                              replica_groups)
 
     gpus = est.config.gpus
     if args.mtbf_hours is not None and args.failures_per_gpu_hour is not None:
@@ -332,7 +333,7 @@ def _goodput(args: argparse.Namespace, model, est, step_s: float):
     save_s = CHECKPOINT_BYTES_PER_PARAM * params / (DEFAULT_STORAGE_GB_PER_S * 1e9)
     # the job's restart at its scale, as `meshtron cost` (reliability/goodput.py at_job_scale)
     times = at_job_scale(load_recovery_times(), DEFAULT_RESTART_S, "cost model default")
-    groups = args.replica_groups if args.replica_groups is not None else est.config.replicas
+    groups = replica_groups(args.replica_groups, est.config.dp, est.config.replicas)
     rows = goodput_table(step_s, mtbf, params, gpus, save_s, groups, times)
     counts = ("--mtbf-hours" if args.mtbf_hours is not None
               else "hardware failures only, per-GPU rate x GPUs")
