@@ -163,3 +163,24 @@ def test_bad_rope_scaling_is_one_line(rope, message):
         from_hf_dict(cfg)
     assert str(err.value).startswith(message)
     assert "\n" not in str(err.value)
+
+
+def test_the_default_seq_len_note_says_where_a_scaled_context_comes_from(tmp_path, capsys):
+    """Audit s54: with RoPE scaling the note called the scaled context (2048 positions x factor
+    2 = 4096) the model's max_position_embeddings, which its config.json gives as 2048."""
+    from meshtron.cli import main
+
+    cfg = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1000,
+           "max_position_embeddings": 2048,
+           "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["plan", "--model", str(tmp_path / "config.json"), "--cluster", "dgx-h100:1",
+                 "--global-batch", "8", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    said = next(n for n in notes if n.startswith("--seq-len not given"))
+    assert "(4096: 2048 x its RoPE factor 2)" in said and "max_position_embeddings" not in said
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch",
+                 "8", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("(max_position_embeddings 8192)" in n for n in notes), notes

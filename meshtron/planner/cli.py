@@ -213,6 +213,17 @@ def parse_tokens(text: str) -> float:
     return value
 
 
+def _context_words(model) -> str:
+    """The model's context length and where it comes from: max_position_embeddings, or the
+    RoPE scaling's original length x factor, which exceeds it (hf_config._hf_rope: a config
+    of 2048 positions with factor 2 trains at 4096, which the note had called its
+    max_position_embeddings)."""
+    original = model.rope_original_max_seq
+    if original and model.max_seq == int(model.rope_factor * original) != original:
+        return f"{model.max_seq}: {original} x its RoPE factor {model.rope_factor:g}"
+    return f"max_position_embeddings {model.max_seq}"
+
+
 def load_model(text: str):
     from meshtron.model.spec import resolve_model
 
@@ -290,8 +301,7 @@ def run(args: argparse.Namespace) -> int:
     if seq is None:
         seq = min(model.max_seq, DEFAULT_SEQ_LEN)
         notes.append(f"--seq-len not given: planning at {seq} tokens per sequence, the smaller "
-                     f"of the model's max_position_embeddings ({model.max_seq}) and "
-                     f"{DEFAULT_SEQ_LEN}")
+                     f"of the model's context ({_context_words(model)}) and {DEFAULT_SEQ_LEN}")
     refused = model_refusal(model)
     if refused:  # priced as the stack would run it; said here, not first at `meshtron train`
         notes.append(f"meshtron train refuses this model: {refused}")
