@@ -209,7 +209,8 @@ def test_bad_checkpoint_input_is_one_line_and_deletes_nothing(saved, tmp_path, c
     # max_seq 128) was refused as "data.seq_len=256: exceeds the model's max_seq=128", the
     # recorded length against the new model, not the model change that caused it
     (["--model", "tiny", "--set", "model.max_seq=16"],
-     "--resume: --model tiny: the checkpoint step_00000006 was saved by a run of model debug"),
+     "--resume: --model tiny-custom: the checkpoint step_00000006 was saved by a run of model "
+     "debug"),
     (["--set", "model.max_seq=16"], "holds a model with model.max_seq=128, this run has 16"),
 ])
 def test_resume_on_another_model_names_the_model_not_its_sequence_length(saved, tmp_path, argv,

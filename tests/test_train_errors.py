@@ -282,7 +282,7 @@ def test_a_model_that_cannot_fit_one_process_is_refused_before_the_run_folder(ca
     run = tmp_path / "r"
     _one_line(capsys, main(["train", "--model", "debug", "--set", "model.vocab=1000000000000",
                             "--steps", "1", "--run-dir", str(run)]),
-              "model=debug: one process needs at least 1,907,348.6 GiB for its weights, "
+              "model=debug-custom: one process needs at least 1,907,348.6 GiB for its weights, "
               "gradients and AdamW state (128,000,000,092,480 parameters x 16 B")
     assert not run.exists()
 
