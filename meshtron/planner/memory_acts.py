@@ -26,6 +26,16 @@ Activations per layer and micro-batch: the tensors autograd saves, listed op by 
 * `alternate-matmul` (torchtitan's selective "op" policy): the block input, every other matmul
   output (wq, wv, w1, w2) and the SDPA output with its log-sum-exp.
 
+A block compiled per block (`KernelOptions.stack == 'compiled'`: meshtron's --compile, the
+compiled torchtitan and OLMo-core stacks) saves what AOTAutograd's partitioner keeps instead
+of what eager autograd saves (memory_saved.py `compiled_none`, measured): without
+recomputation the norms' inputs in the compute dtype on every device (no composite fp32
+copies), a gated MLP's gate, up and product but not the activation's output, and one RoPE
+cast pair; under a selective policy traced into the graph (tp = 1) not w2's output, which
+the backward does not read. Full recomputation keeps the block input either way; the block's
+replay (`recompute_working_bytes`) is the compiled list. Korthikanti's list (fused Megatron
+kernels) has no compiled variant.
+
 Full recomputation keeps each block's input (/t with sequence parallelism) and, while one block
 is recomputed, that block's activations (`recompute_working_bytes`). That working set and the
 loss's (below) are alive at different times of the backward: the peak holds the larger
@@ -59,25 +69,33 @@ from meshtron.model.mla_shapes import mla_projections
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.compute import KernelOptions
 from meshtron.planner.compute_core import cp_halo_rows, sliding_share
-from meshtron.planner.memory_bwd import block_backward_bytes, eager_none as _eager_none
+from meshtron.planner.memory_bwd import block_backward_bytes
 from meshtron.planner.memory_kinds import window_mask_bytes
 from meshtron.planner.memory_options import (DEFAULT, E5M6_TILE_BYTES, FP8_TILE_BYTES,
                                           MemoryOptions)
+from meshtron.planner.memory_saved import none_bytes, rope_copies
 
 RNG_STATE_BYTES = 5056.0
 """A checkpointed block keeps the CPU generator's state to replay dropout identically
 (torch.utils.checkpoint, preserve_rng_state=True; torch.get_rng_state() is 5056 bytes)."""
 
 
-def rope_copy_bytes(model: ModelSpec, seq: int, mem: MemoryOptions) -> float:
-    """Per layer and micro-batch: RoPE's cos/sin cast to a 16-bit compute dtype (2 calls x 2)."""
+def rope_copy_bytes(model: ModelSpec, seq: int, mem: MemoryOptions,
+                    stack: str = "eager") -> float:
+    """Per layer and micro-batch: RoPE's cos/sin cast to a 16-bit compute dtype (eager: 2 calls
+    x 2; compiled: one of each, memory_saved.py `rope_copies`)."""
     if model.position != "rope" or mem.dtype == "fp32":
         return 0.0
-    return 4.0 * seq * model.rope_dim * mem.compute_bytes
+    return rope_copies(stack) * seq * model.rope_dim * mem.compute_bytes
 
 
-def _eager_selective(model: ModelSpec, tp: int, sp: bool, cb: float) -> float:
-    """meshtron's selective policy: block input, matmul outputs, collective outputs."""
+def _eager_selective(model: ModelSpec, tp: int, sp: bool, cb: float,
+                     compiled: bool = False) -> float:
+    """meshtron's selective policy: block input, matmul outputs, collective outputs. Compiled
+    (the checkpoint traced into the block's graph, tp = 1: plan_rules_runtime refuses it under
+    TP) the policy's MUST_SAVE only forbids recomputing a node; the partitioner saves what the
+    backward reads, which w2's output is not (the residual add needs no saved tensor): one
+    [tokens, hidden] fewer (measured, memory_saved.py)."""
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
     q = model.heads * model.head_dim
     block_in = h / (tp if sp else 1)
@@ -85,18 +103,23 @@ def _eager_selective(model: ModelSpec, tp: int, sp: bool, cb: float) -> float:
     if model.is_mla:  # MLA's projections: head-sharded up-projections, replicated down ones
         col = (2.0 * f if model.gated_mlp else f) + sum(
             n * (tp if split else 1) for _, n, _, split in mla_projections(model, tp))
-    row = 2.0 * h  # wo and w2 outputs: full width on every tensor rank before the reduction
+    # wo and w2 outputs: full width on every tensor rank before the reduction; compiled, wo's
+    row = (1.0 if compiled else 2.0) * h
     coll = 0.0
     if tp > 1:
         coll = 2.0 * h + (2.0 * h / tp if sp else 0.0)  # all-gathers (SP) or all-reduces; + RS
     return cb * (block_in + col / tp + row + coll)
 
 
-def _alternate_matmul(model: ModelSpec, tp: int, sp: bool, cb: float) -> float:
-    """torchtitan's selective op policy: block input, wq, wv, w1, w2 and SDPA outputs."""
+def _alternate_matmul(model: ModelSpec, tp: int, sp: bool, cb: float,
+                      compiled: bool = False) -> float:
+    """torchtitan's selective op policy: block input, wq, wv, w1, w2 and SDPA outputs;
+    compiled, not w2's (the backward does not read it: `_eager_selective`; measured with
+    torchtitan's policy on meshtron's block, bench/compiled_saved.py)."""
     h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
     block_in = h / (tp if sp else 1)
-    return cb * (block_in + (h + kv + f + h) / tp + h) + 4.0 * a / tp
+    w2 = 0.0 if compiled else h
+    return cb * (block_in + (h + kv + f + w2) / tp + h) + 4.0 * a / tp
 
 
 def te_fp8_inputs(opts: KernelOptions, mem: MemoryOptions) -> bool:
@@ -206,13 +229,13 @@ def activation_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq:
         per_token = _korthikanti(model, tp, sp, recompute, opts, seq, cb,
                                  te_fp8_inputs(opts, mem), mem)
     elif recompute == "none":
-        per_token = _eager_none(model, tp, sp, mem, opts.attention, seq)
-        return (tokens * per_token + rope_copy_bytes(model, seq, mem)
+        per_token = none_bytes(model, tp, sp, mem, opts.attention, seq, opts.stack)
+        return (tokens * per_token + rope_copy_bytes(model, seq, mem, opts.stack)
                 + window_mask_bytes(model, seq, mem))
     elif mem.saved == "alternate-matmul":
-        per_token = _alternate_matmul(model, tp, sp, cb)
+        per_token = _alternate_matmul(model, tp, sp, cb, opts.stack == "compiled")
     else:
-        per_token = _eager_selective(model, tp, sp, cb)
+        per_token = _eager_selective(model, tp, sp, cb, opts.stack == "compiled")
     return tokens * per_token + (RNG_STATE_BYTES if mem.saved != "korthikanti" else 0.0)
 
 

@@ -43,6 +43,13 @@ Measured at the gate product ('mid', bf16, ZeRO-3, vocabulary 512): w2's input g
 the two products' gradients and w2's weight gradient beside the SiLU output and w1's and
 w3's outputs, the output gradient alive: 40 MiB over the planner's former block moment,
 whose unit gradient also held the 64 MiB of weight gradients not yet made.
+
+A block compiled per block (`opts.stack == 'compiled'`) runs its backward as one inductor
+graph that frees each saved tensor after its last use; its moments are walked as eager's with
+the compiled block's saved list (memory_saved.py `compiled_none`: the SiLU output not saved,
+the norms as the fused kernel's) and the norms' backward as one fused kernel on every device
+(inductor fuses the decomposed norm's backward). Not measured: the compiled backward's own
+buffers were not traced (inductor's generated code allocates outside the dispatcher).
 """
 
 from __future__ import annotations
@@ -50,8 +57,8 @@ from __future__ import annotations
 from meshtron.model.mla_shapes import mla_replicated_params
 from meshtron.model.spec import ModelSpec
 from meshtron.planner.compute import KernelOptions
-from meshtron.planner.memory_kinds import qk_norm_bytes, window_chunk_bytes
 from meshtron.planner.memory_options import MemoryOptions
+from meshtron.planner.memory_saved import none_bytes
 
 COMPOSITE_NORM_BWD_FP32 = 5.0
 """fp32 [tokens, hidden] tensors the composite RMSNorm's backward holds at once (torch 2.13 on
@@ -78,6 +85,7 @@ def _moments(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOp
     h_in = h / (tp if sp else 1)                       # the residual stream's width
     swiglu = model.gated_mlp
     gpu = mem.fused_norm                               # the GPU's kernels (module docstring)
+    compiled = opts.stack == "compiled"                # the backward one compiled graph
     kv_sdpa = q if mem.gqa_copies and a != model.kv_heads else kv
     attn_w = h * (q + 2 * kv) / tp                    # wq, wk, wv
     out_w = q * h / tp                                 # wo
@@ -86,19 +94,22 @@ def _moments(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOp
         out_w = model.out_width * h / tp
         attn_w = (model.attention_params() - rep) / tp + rep - out_w
     mlp_w = (3 if swiglu else 2) * h * f / tp
-    mlp_saved = cb * (4 if swiglu else 2) * f / tp     # gate, up, SiLU, product / pre, post
+    # gate, up, SiLU, product / pre, post; compiled, the SiLU output is recomputed
+    # (memory_saved.py compiled_none)
+    mlp_saved = cb * ((3 if compiled else 4) if swiglu else 2) * f / tp
     dy = cb * h_in
     # the gate product: w2's input gradient and mul's two outputs (GeLU: gelu_backward's),
     # w2's saved input freed; w2's weight gradient made
     gate = dy + cb * gate_product_tensors(model) * f / tp
-    if recompute == "selective" and mem.saved == "eager":
+    if recompute == "selective" and mem.saved == "eager" and not compiled:
         # meshtron's policy caches w2's output, which the replay never reaches (checkpoint's
         # early stop once every saved tensor is back): alive to the block's end
         gate += cb * h
     moments = [(gate, attn_w + out_w + mlp_w - mlp_w / (3 if swiglu else 2))]
     # the ffn norm's backward: the normed input's gradient and the norm's temporaries
     # (it replaces the normed input w1 and w3 saved, freed after their backward)
-    composite = model.norm == "rmsnorm" and not gpu
+    # compiled, the norm's backward is one fused kernel on every device (as its forward saves)
+    composite = model.norm == "rmsnorm" and not gpu and not compiled
     norm_tmp = 4.0 * COMPOSITE_NORM_BWD_FP32 * h_in if composite else cb * h_in
     moments.append((dy + norm_tmp - mlp_saved, attn_w + out_w))
     if model.norm_layout != "pre":
@@ -116,11 +127,11 @@ def _moments(model: ModelSpec, tp: int, sp: bool, recompute: str, opts: KernelOp
         core += 2.0 * cb * a * seq / tp                 # the probabilities' and scores' grads
     elif gpu:
         core += 4.0 * q / tp + (2.0 * cb * q / tp if kv_sdpa != q else 0.0)
-    ffn_norm_saved = (8.0 if composite else cb) * h_in  # `eager_none`
+    ffn_norm_saved = (8.0 if composite else cb) * h_in  # memory_saved.py `none_bytes`
     moments.append((dy + core - mlp_saved - ffn_norm_saved - cb * h, attn_w))
     # the block's last op, the attention norm's backward: every weight gradient made, every
     # saved tensor but that norm's freed (where the unit gradient outweighs the temporaries)
-    saved = eager_none(model, tp, sp, mem, opts.attention, seq)
+    saved = none_bytes(model, tp, sp, mem, opts.attention, seq, opts.stack)
     moments.append((dy + norm_tmp - (saved - ffn_norm_saved), 0.0))
     return moments
 
@@ -153,50 +164,3 @@ def block_backward_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, 
     g = unit_grad_bytes(mem)
     return max(tokens * held - g * unmade
                for held, unmade in _moments(model, tp, sp, recompute, opts, mem, seq))
-
-
-def eager_none(model: ModelSpec, tp: int, sp: bool, mem: MemoryOptions, attention: str,
-                seq: int) -> float:
-    """Bytes per token one eager block saves without recomputation (memory_acts.py's module
-    docstring; here so that this module and memory_acts.py share it without an import circle)."""
-    h, kv, f, a = model.hidden, model.kv_dim, model.ffn_hidden, model.heads
-    q = model.heads * model.head_dim                       # query width (Qwen3: 2h)
-    cb = mem.compute_bytes
-    kv_sdpa = q if mem.gqa_copies and model.heads != model.kv_heads else kv
-    h_in = h / (tp if sp else 1)                           # norm inputs, sequence-sharded with SP
-    norms = model.block_norms                              # Gemma's sandwich: four
-    if model.norm == "rmsnorm" and not mem.fused_norm:
-        # composite rms_norm: fp32 copy of the input and the fp32 normalised tensor
-        norm = norms * (4.0 * h_in + 4.0 * h_in)
-    else:
-        norm = norms * cb * h_in                           # input (+ per-row statistics)
-    stats = (8.0 if model.norm == "layernorm" else 4.0) / (tp if sp else 1)  # fp32 mean/rstd
-    norm += norms * stats
-    gathered = 2.0 * h                                     # normed inputs of QKV and MLP
-    # q after RoPE, k and v as SDPA sees them, SDPA's output (= the out-projection's input:
-    # attention kernels return it in [batch, seq, heads, dim] layout, so the reshape is a view)
-    attn = 2.0 * q + 2.0 * kv_sdpa
-    mlp = 4.0 * f if model.gated_mlp else 2.0 * f
-    core = 4.0 * a                                          # fp32 log-sum-exp per head
-    if attention == "unfused":
-        core += cb * a * seq                                # softmax output
-    return (norm + cb * (gathered + (attn + mlp) / tp) + core / tp
-            + mla_eager_bytes(model, tp, mem) + qk_norm_bytes(model, tp, mem)
-            + window_chunk_bytes(model, tp, seq, mem))
-
-
-def mla_eager_bytes(model: ModelSpec, tp: int, mem: MemoryOptions) -> float:
-    """Bytes per token meshtron's MLA block (model/mla.py) saves beyond what `eager_none`'s
-    attention terms count (q, k and the zero-padded v at the q/k head width, SDPA's output,
-    all as for GQA with kv_heads = heads): the out-projection's input, a copy of SDPA's output
-    cut to v_head_dim (heads x v / tp), and the two latents: the normed latents the
-    up-projections save (q_lora_rank + kv_lora_rank) and their RMSNorms' own tensors (the
-    composite's fp32 input copy and normalised tensor; the fused kernel's input and per-row
-    statistics), on the whole gathered sequence on every tp rank (replicated, also with
-    sequence parallelism: wq_a and wkv_a run on the gathered input). 0 without MLA."""
-    if not model.is_mla:
-        return 0.0
-    cb, latents = mem.compute_bytes, model.q_lora_rank + model.kv_lora_rank
-    norms = 8.0 * latents if (model.norm == "rmsnorm" and not mem.fused_norm) \
-        else cb * latents + 2 * 4.0
-    return cb * model.out_width / tp + cb * latents + norms

@@ -1,5 +1,5 @@
 """What a block of one of the dense model kinds read from Hugging Face configs saves for its
-backward beyond a Llama block (memory_bwd.py `eager_none`), for meshtron's eager model
+backward beyond a Llama block (memory_saved.py `eager_none`), for meshtron's eager model
 (meshtron/model/transformer.py, attention.py): per-head or whole q/k RMSNorms (Qwen3, Gemma 3,
 OLMo 2, OLMoE), Gemma's sandwich norms (four a block), and sliding-window attention on the
 CPU's kernels. Each term was read off the block's saved tensors (`torch.autograd.graph.
