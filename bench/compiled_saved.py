@@ -16,6 +16,7 @@ attention kernel.
 
     .venv/bin/python bench/compiled_saved.py                # the default cases
     .venv/bin/python bench/compiled_saved.py --list --cases llama-gqa/bf16/none
+    .venv/bin/python bench/compiled_saved.py --tp       # and tp=2 on two gloo ranks
 """
 
 from __future__ import annotations
@@ -83,10 +84,33 @@ def run_case(case: str, show: bool) -> str:
     return line
 
 
+def run_tp_case(sp: bool) -> str:
+    """The GQA block at tp = 2 (two gloo ranks, testkit/block_saved.py `tp_block_saves`):
+    rank 0's saved bytes eager and compiled beside the planner's per-rank figures."""
+    from meshtron.model.spec import ModelSpec
+    from meshtron.planner.compute import KernelOptions
+    from meshtron.planner.memory_acts import activation_bytes
+    from meshtron.planner.memory_options import MemoryOptions
+    from testkit.block_saved import tp_block_saves
+    from testkit.multiproc import run_on_ranks
+
+    fields = dict(SHAPES["llama-gqa"], layers=1)
+    spec, mem = ModelSpec(**fields), MemoryOptions(fused_norm=False)
+    got = {c: run_on_ranks(tp_block_saves, 2, fields, "bf16", sp, 512, c, timeout=900)[0]
+           for c in (False, True)}
+    plan = {c: activation_bytes(spec, 2, sp, 1, 512, "none", KernelOptions(stack=st), mem)
+            for c, st in ((False, "eager"), (True, "compiled"))}
+    return (f"{'llama-gqa/bf16/none tp=2 sp=' + ('on' if sp else 'off'):38s} eager "
+            f"{got[False] / 2**20:8.3f} MiB  compiled {got[True] / 2**20:8.3f} MiB  planner eager "
+            f"{plan[False] / 2**20:8.3f}  compiled {plan[True] / 2**20:8.3f} MiB")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
     ap.add_argument("--list", action="store_true", help="every tensor the compiled block saves")
+    ap.add_argument("--tp", action="store_true",
+                    help="also the GQA block at tp=2 over 2 gloo ranks, sp off and on")
     args = ap.parse_args(argv)
     import torch
 
@@ -96,6 +120,9 @@ def main(argv=None) -> int:
           f"{hooks_see_compiled_saves()}")
     for case in args.cases:
         print(run_case(case, args.list), flush=True)
+    if args.tp:
+        for sp in (False, True):
+            print(run_tp_case(sp), flush=True)
     from testkit.block_saved import SDPA_KERNELS, sdpa_saves
 
     print("SDPA kernels, projections + attention traced (CUDA kernels on meta), what the "

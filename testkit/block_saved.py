@@ -190,3 +190,51 @@ def sdpa_saves(kernel: str, seq: int = 256, heads: int = 4, head_dim: int = 64) 
                             partition_fn=min_cut_rematerialization_partition)
     compiled(x, *ws)
     return found
+
+
+def tp_block_saves(spec_fields: dict, dtype: str = "bf16", sp: bool = False, seq: int = 512,
+                   compiled: bool = True) -> int:
+    """On each rank of a gloo tensor-parallel group (testkit/multiproc.py `run_on_ranks`):
+    the bytes block 0 of ModelSpec(**spec_fields) saves for backward on this rank, sharded by
+    parallel/tensor.py `apply_tensor_parallel` over all the ranks and compiled as the runtime
+    compiles it (tp > 1, no recomputation), counted as `block_saves` does (parameters'
+    local shards and the RoPE table excluded). With `sp` the block's input is this rank's
+    1/tp of the sequence, as the embedding hands it on."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from meshtron.model.spec import ModelSpec
+    from meshtron.parallel.tensor import apply_tensor_parallel
+
+    spec = ModelSpec(**spec_fields)
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    model = one_block_model(spec, torch_dtype)
+    apply_tensor_parallel(model, mesh, sp=sp)
+    if compiled:
+        from meshtron.parallel.compile import apply_compile
+
+        apply_compile(model)
+
+    def local(t):
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    skip = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    skip.add(model.rope.untyped_storage().data_ptr())
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = local(t).untyped_storage()
+        if storage.data_ptr() not in skip and t.dim():
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    rows = seq // dist.get_world_size() if sp else seq
+    torch.manual_seed(0)  # the same input on every rank (replicated without sp)
+    x = torch.randn(1, rows, spec.hidden, dtype=torch_dtype, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model.layers["0"](x, model.rope_for(seq))
+    del out
+    return sum(saved.values())

@@ -31,10 +31,14 @@ block saves, against the eager one:
   not once per call: `rope_copies` 2, not 4;
 * per-head q/k norms (Qwen3): their inputs (wq's and wk's outputs) and rstd, the fused form.
 
-Not measured compiled (priced as eager with the fused norms' figure): MLA's latents, the CPU's sliding-window chunks, tensor parallelism (the runtime compiles
-DTensor blocks; the partitioner sees the collectives: assumed to keep the same per-rank
-tensors), LayerNorm's statistics (the compiled block keeps them in the compute dtype: 4
-bytes per token fewer, left out).
+Tensor parallelism (tp = 2 on two gloo ranks, sp off and on, `--tp` of the bench): each rank
+keeps this list at its shard widths, less RoPE's two casts, which the tensor-parallel graph
+does not keep (its partitioner saves the model's fp32 RoPE table instead, a graph input the
+model holds anyway): priced with them, 512 bytes per token conservative at head_dim 128.
+
+Not measured compiled (priced as eager with the fused norms' figure): MLA's latents, the
+CPU's sliding-window chunks, LayerNorm's statistics (the compiled block keeps them in the
+compute dtype: 4 bytes per token fewer, left out).
 """
 
 from __future__ import annotations
