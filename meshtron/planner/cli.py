@@ -48,8 +48,8 @@ def register(subparsers: Any) -> None:
                    help="preset name, Hugging Face config.json path, or TOML file with a model key")
     p.add_argument("--cluster", required=True,
                    help="dgx-a100:N, dgx-h100:N, dgx-h200:N (N nodes of 8 GPUs), "
-                        "nominal-cpu:N (N CPU ranks on one machine: what an uncalibrated CPU "
-                        "run plans on) or a cluster TOML")
+                        "nominal-cpu:N (N CPU ranks on one machine, each with 1/N of its memory: "
+                        "what an uncalibrated CPU run plans on) or a cluster TOML")
     p.add_argument("--global-batch", type=positive_int, default=None,
                    help="sequences per step (default: about 4M tokens' worth)")
     p.add_argument("--seq-len", type=positive_int, default=None,

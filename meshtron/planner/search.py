@@ -91,8 +91,8 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     elif knobs.offload is None and (cluster.gpu is not None
                                     or cluster.host_link_gb_per_s is not None):
         # a device with a host link to price (a catalogue GPU or a given link); a cluster of
-        # bare numbers (the nominal CPU figures `meshtron train` plans with on a CPU) has its
-        # "device" memory in the host already: offload is only a last resort there
+        # bare numbers has no link to price: offload is only a last resort there (and never
+        # on a CPU cluster: search_offload._kinds)
         result = offload_if_faster(ev, result, space, knobs, runtime, top_k)
     result.seconds = time.perf_counter() - t0
     result.framework = framework

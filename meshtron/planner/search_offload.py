@@ -90,7 +90,10 @@ def offload_if_faster(ev: Evaluator, result: SearchResult, space: SearchSpace, k
 def _kinds(ev: Evaluator, runtime: bool) -> tuple[str, ...]:
     """The host offload kinds to try: those the priced stack's code runs (its preset's
     MemoryOptions.host_offload, plan_rules_offload.STACK_OFFLOADS), and of meshtron's runtime
-    only 'full' ('optimizer' is planned only: plan.offload_runtime_problem)."""
+    only 'full' ('optimizer' is planned only: plan.offload_runtime_problem). None on a CPU
+    cluster: the ranks' memory is the host's, offload would copy the states to the same RAM."""
+    if ev.cluster.cpu:
+        return ()
     kinds = offload_kinds(ev.mem.host_offload)
     return tuple(k for k in kinds if k == "full") if runtime else kinds
 

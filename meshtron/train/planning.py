@@ -53,7 +53,10 @@ def choose_cluster(world_size: int, cluster: str | None, node, calibration: Path
     if calibration.is_file():
         record = measured_on(calibration)
         if applies(record, node):
-            return _noted(resolve_cluster(str(calibration)), f"{describe(record)} ({calibration})")
+            measured = resolve_cluster(str(calibration))
+            if node.kind == "cpu":  # a calibration written before `cpu = true` was recorded
+                measured = dataclasses.replace(measured, cpu=True)
+            return _noted(measured, f"{describe(record)} ({calibration})")
         ignored = f"; {calibration} is {describe(record)}, not this node's {node.name}: not used"
     if node.kind == "cuda":
         from meshtron.calibrate.device import detected_cluster
