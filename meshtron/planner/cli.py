@@ -333,6 +333,11 @@ def run(args: argparse.Namespace) -> int:
     line = launch_note(result)  # when the GPU waits on the host's kernel launches
     if line:
         result.notes.append(line)
+    from meshtron.planner.fp8_advice import fp8_note
+
+    line = fp8_note(result, knobs, fw)  # FP8 priced slower than bf16 on the eager stack
+    if line:
+        result.notes.append(line)
     width = None if sys.stdout.isatty() else (220 if args.wide else 100)
     try:
         return _output(args, result, tokens, width, cluster.num_gpus, batch, seq)
