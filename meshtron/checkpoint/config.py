@@ -147,3 +147,24 @@ def parse_every(text: str) -> int | str:
     except ValueError:
         raise UserError(f"--checkpoint-every={text!r}: allowed an integer >= 0 (steps; 0 = off) "
                         "or 'auto'") from None
+
+
+def refuse_unread(keep: int | None, residuals: str | None, every: int | str,
+                  compression: str) -> None:
+    """A flag that only tunes checkpointing, given where it reads nothing, is refused in one
+    line (it trained as if not given: audit s54, finding 3), as `--outer-lr` without --diloco
+    is (planner/comm_flags.py refuse_unread). `keep`, `residuals`: the flags as typed (None:
+    not given); `every`: the run's checkpoint interval (0: off); `compression`: the plan's
+    gradient compression ('none' without)."""
+    if keep is not None and every == 0:
+        raise UserError(f"--keep={keep}: only with --checkpoint-every N or auto (checkpoints "
+                        "are off without it, so there is nothing to keep)")
+    if residuals is None:
+        return
+    if compression in (None, "none"):
+        raise UserError(f"--checkpoint-residuals={residuals}: only with --grad-compression "
+                        "bf16 or int8 (what checkpoints hold of its error feedback)")
+    if every == 0:
+        raise UserError(f"--checkpoint-residuals={residuals}: only with --checkpoint-every N "
+                        "or auto (checkpoints are off without it)")
+

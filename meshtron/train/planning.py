@@ -75,6 +75,19 @@ def is_plan_file(text: str | None) -> bool:
     return bool(text) and text != "auto" and (text.endswith(".toml") or Path(text).is_file())
 
 
+def requested_compression(request: ParallelRequest | None) -> str:
+    """The gradient compression a run will use: a saved plan's, else --grad-compression (or
+    the resumed run's, in `request.comm`); one process compresses nothing. The search never
+    chooses it (Knobs carries no traffic knob)."""
+    if request is None:
+        return "none"
+    if is_plan_file(request.plan):
+        from meshtron.planner.plan import load_plan
+
+        return load_plan(request.plan).grad_compression
+    return request.comm.get("grad_compression", "none")
+
+
 def local_world_size(request: ParallelRequest) -> int:
     """Local ranks to start: --nproc, else the size of a saved plan (a plan for 8 ranks runs on
     8 without restating it; an explicit --nproc that contradicts it fails in
