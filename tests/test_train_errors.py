@@ -333,3 +333,18 @@ def test_the_memory_floor_reads_memavailable_not_the_total(tmp_path):
     assert got.total == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     none = device_memory(torch.device("cpu"), meminfo=tmp_path / "absent")  # not Linux
     assert none.available == none.total and none.source == "physical (no MemAvailable)"
+
+
+def test_a_restart_before_any_logged_step_says_so(tmp_path):
+    """Audit s55: a rank that failed before its first step under --max-restarts made the
+    restart line read 'resumed from step 0, None logged step(s) lost'. The fault (bad targets
+    in every attempt's first batch: torch raises in the step) fails both attempts."""
+    env = {"PYTHONPATH": os.pathsep.join([FAULTS, os.environ.get("PYTHONPATH", "")]),
+           "MESHTRON_TEST_BAD_TARGETS_AT": "1"}
+    ranks = _meshtron("train", *RUN, "--nproc", "2", "--plan", "dp=2", "--max-restarts", "1",
+                      "--checkpoint-every", "5", "--run-dir", str(tmp_path / "r"), env=env)
+    assert ranks.returncode == 1, ranks.stderr[-3000:]
+    line = next((x for x in ranks.stderr.splitlines() if "restart 1 (torchrun):" in x), "")
+    assert line.endswith("; started again from step 0 (no step had been logged)"), \
+        ranks.stderr[-3000:]
+    assert "None" not in ranks.stderr, ranks.stderr[-3000:]

@@ -234,8 +234,8 @@ class Checkpointer:
             from meshtron.checkpoint import phases
 
             event["phases"] = phases.marks()  # this rank's start-up, for the benches
-            self.say(f"restart {n} (torchrun): {event['cause']}; resumed from step "
-                     f"{self.start_step}, {event['lost_steps']} logged step(s) lost")
+            self.say(f"restart {n} (torchrun): {event['cause']}; "
+                     f"{restart.resumed_words(self.start_step, event['lost_steps'])}")
         else:
             event = {"event": "resume", "resumed_from_step": self.start_step,
                      "last_logged_step": last, "time": time.time()}
