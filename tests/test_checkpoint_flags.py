@@ -22,6 +22,10 @@ DP2 = ["--nproc", "2", "--plan", "dp=2"]
      "--checkpoint-residuals=own: only with --grad-compression"),
     (["--checkpoint-residuals", "mean", "--grad-compression", "int8", *DP2],
      "--checkpoint-residuals=mean: only with --checkpoint-every N or auto"),
+    # audit s55: Daly's MTBF given to a run of fixed (or no) interval trained as if not given
+    (["--mtbf-hours", "4"], "--mtbf-hours=4: only with --checkpoint-every auto"),
+    (["--mtbf-hours", "4", "--checkpoint-every", "10"], "--mtbf-hours=4: only with "
+                                                        "--checkpoint-every auto"),
 ])
 def test_a_checkpoint_flag_that_reads_nothing_is_refused(capsys, tmp_path, flags, want):
     line = refused(capsys, *RUN, "--run-dir", tmp_path / "r", *flags)

@@ -150,12 +150,16 @@ def parse_every(text: str) -> int | str:
 
 
 def refuse_unread(keep: int | None, residuals: str | None, every: int | str,
-                  compression: str) -> None:
+                  compression: str, mtbf_hours: float | None = None) -> None:
     """A flag that only tunes checkpointing, given where it reads nothing, is refused in one
     line (it trained as if not given: audit s54, finding 3), as `--outer-lr` without --diloco
     is (planner/comm_flags.py refuse_unread). `keep`, `residuals`: the flags as typed (None:
     not given); `every`: the run's checkpoint interval (0: off); `compression`: the plan's
-    gradient compression ('none' without)."""
+    gradient compression ('none' without); `mtbf_hours`: --mtbf-hours as typed."""
+    if mtbf_hours is not None and every != "auto":
+        raise UserError(f"--mtbf-hours={mtbf_hours:g}: only with --checkpoint-every auto "
+                        "(Daly's interval is all that reads it; `meshtron cost` prices a "
+                        "run's failures)")
     if keep is not None and every == 0:
         raise UserError(f"--keep={keep}: only with --checkpoint-every N or auto (checkpoints "
                         "are off without it, so there is nothing to keep)")

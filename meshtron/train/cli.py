@@ -428,7 +428,7 @@ def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = No
         from meshtron.train.planning import requested_compression
 
         refuse_unread(args.keep, args.checkpoint_residuals, ckpt.every,
-                      requested_compression(request))
+                      requested_compression(request), args.mtbf_hours)
     return TrainJob(cfg=cfg,
                     parallel=request,
                     elastic=elastic,
