@@ -26,6 +26,9 @@ DP2 = ["--nproc", "2", "--plan", "dp=2"]
     (["--mtbf-hours", "4"], "--mtbf-hours=4: only with --checkpoint-every auto"),
     (["--mtbf-hours", "4", "--checkpoint-every", "10"], "--mtbf-hours=4: only with "
                                                         "--checkpoint-every auto"),
+    # and the SIGTERM grace of a run that does not intercept SIGTERM
+    (["--preempt-grace", "5"], "--preempt-grace=5: only with --checkpoint-every, --resume or "
+                               "--max-restarts"),
 ])
 def test_a_checkpoint_flag_that_reads_nothing_is_refused(capsys, tmp_path, flags, want):
     line = refused(capsys, *RUN, "--run-dir", tmp_path / "r", *flags)

@@ -427,8 +427,9 @@ def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = No
         from meshtron.checkpoint.config import refuse_unread  # ranks get every flag restated
         from meshtron.train.planning import requested_compression
 
-        refuse_unread(args.keep, args.checkpoint_residuals, ckpt.every,
-                      requested_compression(request), args.mtbf_hours)
+        typed = {k: getattr(args, k) for k in ("keep", "checkpoint_residuals", "mtbf_hours",
+                                                "preempt_grace")}
+        refuse_unread(typed, ckpt, requested_compression(request))
     return TrainJob(cfg=cfg,
                     parallel=request,
                     elastic=elastic,
