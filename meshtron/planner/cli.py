@@ -316,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
                      f"(about {DEFAULT_TOKENS_PER_STEP // 2**20}M tokens)")
     from meshtron.planner.comm_flags import refuse_unread, requested, search_knobs
 
-    comm = requested(args)  # priced on the searched layouts (search.py `_with_comm`)
+    comm = requested(args)  # priced on every searched layout (search.py `_priced`)
     refuse_unread(comm)
     knobs = {**search_knobs(comm, collect_knobs(args)), **comm}
     # a pinned layout (one layout left to the search) is priced even when predicted not to fit
