@@ -268,7 +268,8 @@ def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cl
             fixed.pop("fp8_recipe")
     # the run's clipping decides whether the optimizer step pays the norm and scale passes
     options = dataclasses.replace(preset("meshtron").kernel, grad_clip=cfg.optim.grad_clip > 0)
-    # the data-parallel traffic flags priced too (search.py `_with_comm`): plan.toml's
+    # the data-parallel traffic flags priced in the search (search.py `_priced`; top_k=1 kept
+    # only plans without them before, audit s55): plan.toml's
     # [predicted] is the compressed / DiLoCo plan the ranks run
     result = search_plans(cfg.model, sized, cfg.data.global_batch, cfg.data.seq_len,
                           {**fixed, **request.comm, "dtype": dtype}, top_k=1, explain=False,
