@@ -200,7 +200,7 @@ def test_lost_node_continues_on_fewer_ranks(tmp_path):
     assert rec["old"]["plan"]["dp"] == 2 and rec["new"]["plan"]["dp"] == 1
     resumed = rec["resumed_from_step"]
     assert resumed in (4, 8) and resumed <= killed_at
-    assert "replan: world 2 -> 1 ranks" in second.stderr
+    assert "replan: world 2 -> 1 rank (lost ranks" in second.stderr
     # The lost round's trace is kept apart, not read as this round's: `meshtron doctor` called
     # the finished job's lost rank 1 frozen (its hello file was still in RUN_DIR/trace).
     assert f"kept in {run / 'earlier' / '1'}" in second.stdout, second.stdout[-2000:]
