@@ -226,6 +226,29 @@ def test_lost_node_continues_on_fewer_ranks(tmp_path):
     assert json.loads((run / "summary.json").read_text())["world_size"] == 1
 
 
+@pytest.mark.slow  # suite time: one more killed node (~30 s of CPU) for one line's wording
+def test_a_round_that_changes_a_kept_setting_is_named_as_typed(tmp_path):
+    """Audit s55: a later round of an elastic job started with a changed setting the
+    checkpoint keeps (here --lr) was refused by its rank as "--resume: optim.lr=...", though
+    no --resume was typed (a round continues the job's checkpoint by itself)."""
+    run = tmp_path / "run"
+    common = ["--steps", "12", "--checkpoint-every", "4", "--plan", "auto"]
+    first = Node("two", [*BASE, "--run-dir", str(run), "--nnodes", "1:1", "--nproc", "2",
+                         *common], free_port(), "elastic-default", True, tmp_path)
+    try:
+        wait_for(lambda: (run / "checkpoints" / "step_00000004").is_dir(), 240, [first],
+                 "the step-4 checkpoint")
+        first.kill9()
+    finally:
+        first.stop()
+    changed = subprocess.run(_node_cmd(run, 1, free_port(), [*common, "--lr", "0.001"]),
+                             capture_output=True, text=True, timeout=300)
+    assert changed.returncode != 0, changed.stderr[-3000:]
+    assert "error: elastic round (continuing the job's newest checkpoint): optim.lr=0.001" \
+        in changed.stderr, changed.stderr[-3000:]
+    assert "--resume:" not in changed.stderr, changed.stderr[-3000:]
+
+
 # ---- the whole story (slow) ---------------------------------------------------------------------
 
 def _world(run: Path) -> int | None:
