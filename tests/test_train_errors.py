@@ -342,8 +342,11 @@ def test_a_restart_before_any_logged_step_says_so(tmp_path):
     env = {"PYTHONPATH": os.pathsep.join([FAULTS, os.environ.get("PYTHONPATH", "")]),
            "MESHTRON_TEST_BAD_TARGETS_AT": "1"}
     ranks = _meshtron("train", *RUN, "--nproc", "2", "--plan", "dp=2", "--max-restarts", "1",
-                      "--checkpoint-every", "5", "--run-dir", str(tmp_path / "r"), env=env)
+                      "--run-dir", str(tmp_path / "r"), env=env)
     assert ranks.returncode == 1, ranks.stderr[-3000:]
+    # and said before the run: restarts without checkpoints start over (audit s55)
+    assert ("meshtron train: warning: --max-restarts 1 without --checkpoint-every: a restart "
+            "starts over from step 0 (no checkpoint to resume from)") in ranks.stderr
     line = next((x for x in ranks.stderr.splitlines() if "restart 1 (torchrun):" in x), "")
     assert line.endswith("; started again from step 0 (no step had been logged)"), \
         ranks.stderr[-3000:]
