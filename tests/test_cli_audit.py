@@ -340,8 +340,12 @@ def test_resume_of_a_run_that_saved_no_checkpoint_says_why(capsys, tmp_path):
     capsys.readouterr()
     before = sorted(p.name for p in run.iterdir())
     line = refused(capsys, "train", "--run-dir", run, "--resume", "--steps", "2")
-    assert f"no complete checkpoint in {run}/checkpoints (the run there saved none: " in line
-    assert "unless --checkpoint-every N is given" in line, line
+    assert f"no complete checkpoint in {run}/checkpoints (the run there saved none by its " \
+        "last logged step, 1: " in line, line
+    # audit s55: a run of --checkpoint-every 50 killed before step 50 was told checkpoints
+    # were off: the line says both cases
+    assert ("checkpoints are off unless --checkpoint-every N is given, and with it the first is "
+            "saved at step N") in line, line
     assert sorted(p.name for p in run.iterdir()) == before
     line = refused(capsys, "train", "--model", "debug", "--run-dir", tmp_path / "none",
                    "--resume")

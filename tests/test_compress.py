@@ -3,6 +3,8 @@ over many steps (through a one-process simulation of the qgZ reduction), and pla
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -273,3 +275,25 @@ def test_fsdp_param_groups_on_each_torch_release():
     assert fsdp_param_groups(SimpleNamespace(_fsdp_param_groups=[])) == []
     assert fsdp_param_groups(SimpleNamespace(_fsdp_param_group=g1)) == [g1]  # torch 2.11
     assert fsdp_param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+
+
+def test_compressed_plans_are_searched_with_their_residuals_not_after(capsys):
+    """Audit s55: the search ranked layouts without gradient compression and priced only its
+    top k with it, so `plan --grad-compression int8 --top 1` for llama3-8b on 8 H100 lost its
+    one plan to the residuals' memory and said "no layout is valid" while `--top 3` answered;
+    and a pinned layout that did not fit (`--layout dp=8 --zero 1`) failed with
+    "grad_compression: unknown knob". Every config is now priced with the compression."""
+    from testkit.cli_inproc import meshtron_main
+
+    args = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch", "64",
+            "--seq-len", "4096", "--grad-compression", "int8", "--json"]
+    rc, out, err = meshtron_main(*args, "--top", "1")
+    assert rc == 0, err
+    one = json.loads(out)["plans"]
+    rc, out, err = meshtron_main(*args, "--top", "3")
+    assert rc == 0, err
+    three = json.loads(out)["plans"]
+    assert len(one) == 1 and one[0] == three[0], (one, three[0])  # --top shows, never decides
+    rc, out, err = meshtron_main(*args[:-1], "--layout", "dp=8", "--zero", "1", "--top", "1")
+    assert rc == 0, err
+    assert "predicted not to fit" in out and "to fit: zero=" in " ".join(out.split()), out

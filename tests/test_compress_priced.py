@@ -175,3 +175,19 @@ def test_a_compressed_runs_plan_toml_predicts_what_cost_and_simulate_price(tmp_p
     other = json.loads(meshtron(tmp_path, "cost", "--plan", "plain.toml", "--price-on-demand", 1,
                                 "--gpu-watts", 100, "--json").stdout)
     assert other["step_time_s"] != pytest.approx(cost["step_time_s"], rel=1e-4)
+
+
+def test_inter_node_scope_inside_one_node_says_nothing_was_compressed(tmp_path):
+    """Audit s55: `--grad-compression bf16 --compress-scope inter_node` on one machine (its
+    data-parallel group inside one node: every hop uncompressed, compress/collectives.py
+    Reducer) ended with '0.252 MB/step sent per rank (compressed reduction)'."""
+    proc = meshtron(tmp_path, "train", "--model", "debug", "--nproc", "2", "--plan", "dp=2",
+                    "--steps", "2", "--seq-len", "32", "--global-batch", "8", "--eval-every",
+                    "0", "--grad-compression", "bf16", "--compress-scope", "inter_node",
+                    "--run-dir", "r")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = next(x for x in proc.stdout.splitlines() if x.startswith("done:"))
+    assert ("MB/step sent per rank (not compressed: compress_scope='inter_node' and the "
+            "data-parallel group is inside one node)") in " ".join(done.split()), done
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["wire_codec"] == "none", summary

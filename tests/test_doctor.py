@@ -380,3 +380,40 @@ def test_frozen_rank_among_four_is_named(tmp_path):
     assert (d.kind, d.culprit_ranks) == ("frozen_rank", [3]), d.to_dict()
     assert d.verdict.startswith("rank 3 (dp=1, tp=1) is frozen"), d.verdict
     _no_process_left(tmp_path)
+
+
+def test_bare_version_banners_belong_to_their_own_nodes_log(tmp_path):
+    """Audit s55: with NCCL_DEBUG=WARN (or VERSION) each node's rank prints a bare `NCCL
+    version X` banner; the last file's banner was given to every process, so two nodes of
+    NCCL 2.21.5 and 2.20.3 read as one version and no mismatch was flagged. Each node's log
+    now dates its own processes; a merged log with two banners is flagged without names."""
+    from testkit.cli_inproc import meshtron_main
+
+    def node(host: str, pid: int, version: str, driver: str) -> str:
+        edge = "via NET/Socket/0"
+        return (f"[default0]:NCCL version {version}\n"
+                f"[default0]:{host}:{pid}:{pid} [0] NCCL INFO cudaDriverVersion {driver}\n"
+                f"[default0]:{host}:{pid}:{pid + 1} [0] NCCL INFO comm 0x1 rank "
+                f"{pid % 2} nranks 2 cudaDev 0 busId 1000 commId 0xabc - Init START\n"
+                f"[default0]:{host}:{pid}:{pid + 1} [0] NCCL INFO Channel 00/0 : 0[0] -> "
+                f"1[0] [send] {edge}\n"
+                f"[default0]:{host}:{pid}:{pid + 1} [0] NCCL INFO comm 0x1 rank {pid % 2} "
+                "nranks 2 cudaDev 0 busId 1000 commId 0xabc - Init COMPLETE\n")
+
+    a = tmp_path / "node-a.log"
+    b = tmp_path / "node-b.log"
+    a.write_text(node("node-a", 100, "2.21.5+cuda12.4", "12040"))
+    b.write_text(node("node-b", 201, "2.20.3+cuda12.2", "12040"))
+    rc, out, err = meshtron_main("doctor", "--nccl-log", a, b, "--json")
+    assert rc == 3, err
+    d = json.loads(out)
+    assert d["versions"] == {"2.20.3+cuda12.2": 1, "2.21.5+cuda12.4": 1}, d["versions"]
+    mixed = next(f["text"] for f in d["flags"] if f["code"] == "mixed_versions")
+    assert "2.20.3+cuda12.2 on node-b:201; 2.21.5+cuda12.4 on node-a:100" in mixed, mixed
+    merged = tmp_path / "merged.log"
+    merged.write_text(a.read_text() + b.read_text())
+    rc, out, _ = meshtron_main("doctor", "--nccl-log", merged)
+    assert rc == 3 and "ranks run different NCCL versions" in out, out
+    assert "NCCL versions: 2.20.3+cuda12.2 (a banner naming no process)" in out, out
+    rc, out, _ = meshtron_main("doctor", "--nccl-log", a)  # one node, one banner: its own
+    assert "NCCL versions: 2.21.5+cuda12.4 (1 process)" in out, out

@@ -155,3 +155,33 @@ def test_a_resumed_launch_leaves_its_first_step_out(tmp_path):
     assert rc == 0, err
     doc = json.loads((run / "trace" / "timeline_rank_0.json").read_text())
     assert [s["step"] for s in doc["steps"]] == [5, 6], doc["steps"]
+
+
+def test_a_launch_of_its_start_up_step_alone_says_why_no_steady_step(tmp_path):
+    """Audit s54, finding 4: a launch whose only step is its first (step 1, or a resume's
+    first) has only its start-up step in the timeline, whose seconds (model build, first
+    allocations, the checkpoint load) `doctor --timeline` printed as the step time without a
+    word; now one line says so, under the table and in --json."""
+    from testkit.cli_inproc import meshtron_main
+
+    run = tmp_path / "r"
+    args = ["train", "--model", "debug", "--seq-len", "32", "--global-batch", "4",
+            "--eval-every", "0", "--warmup-steps", "2", "--zero", "1", "--run-dir", run]
+    rc, _, err = meshtron_main(*args, "--steps", "1", "--checkpoint-every", "1")
+    assert rc == 0, err
+    rc, out, err = meshtron_main("doctor", run, "--timeline", "--no-png")
+    assert rc == 0, err
+    assert ("only step 1 ran in this launch: its time includes the start-up (building the "
+            "model, the first allocations), so the table shows no steady step") in out, out
+    rc, _, err = meshtron_main(*args, "--steps", "2", "--resume")
+    assert rc == 0, err
+    rc, out, err = meshtron_main("doctor", run, "--timeline", "--no-png", "--json")
+    assert rc == 0, err
+    notes = json.loads(out)["notes"]
+    assert len(notes) == 1 and notes[0].startswith(
+        "only step 2 ran in this resumed launch: its time includes the start-up (building the "
+        "model, the first allocations, loading the checkpoint it resumed from)"), notes
+    rc, _, err = meshtron_main(*args, "--steps", "4", "--resume")  # steady steps: nothing said
+    assert rc == 0, err
+    rc, out, err = meshtron_main("doctor", run, "--timeline", "--no-png", "--json")
+    assert rc == 0 and json.loads(out)["notes"] == [], out

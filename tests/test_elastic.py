@@ -200,7 +200,7 @@ def test_lost_node_continues_on_fewer_ranks(tmp_path):
     assert rec["old"]["plan"]["dp"] == 2 and rec["new"]["plan"]["dp"] == 1
     resumed = rec["resumed_from_step"]
     assert resumed in (4, 8) and resumed <= killed_at
-    assert "replan: world 2 -> 1 ranks" in second.stderr
+    assert "replan: world 2 -> 1 rank (lost ranks" in second.stderr
     # The lost round's trace is kept apart, not read as this round's: `meshtron doctor` called
     # the finished job's lost rank 1 frozen (its hello file was still in RUN_DIR/trace).
     assert f"kept in {run / 'earlier' / '1'}" in second.stdout, second.stdout[-2000:]
@@ -224,6 +224,29 @@ def test_lost_node_continues_on_fewer_ranks(tmp_path):
     for s in range(1, 13):
         assert got[s]["loss"] == pytest.approx(want[s]["loss"], abs=LOSS_TOL), s
     assert json.loads((run / "summary.json").read_text())["world_size"] == 1
+
+
+@pytest.mark.slow  # suite time: one more killed node (~30 s of CPU) for one line's wording
+def test_a_round_that_changes_a_kept_setting_is_named_as_typed(tmp_path):
+    """Audit s55: a later round of an elastic job started with a changed setting the
+    checkpoint keeps (here --lr) was refused by its rank as "--resume: optim.lr=...", though
+    no --resume was typed (a round continues the job's checkpoint by itself)."""
+    run = tmp_path / "run"
+    common = ["--steps", "12", "--checkpoint-every", "4", "--plan", "auto"]
+    first = Node("two", [*BASE, "--run-dir", str(run), "--nnodes", "1:1", "--nproc", "2",
+                         *common], free_port(), "elastic-default", True, tmp_path)
+    try:
+        wait_for(lambda: (run / "checkpoints" / "step_00000004").is_dir(), 240, [first],
+                 "the step-4 checkpoint")
+        first.kill9()
+    finally:
+        first.stop()
+    changed = subprocess.run(_node_cmd(run, 1, free_port(), [*common, "--lr", "0.001"]),
+                             capture_output=True, text=True, timeout=300)
+    assert changed.returncode != 0, changed.stderr[-3000:]
+    assert "error: elastic round (continuing the job's newest checkpoint): optim.lr=0.001" \
+        in changed.stderr, changed.stderr[-3000:]
+    assert "--resume:" not in changed.stderr, changed.stderr[-3000:]
 
 
 # ---- the whole story (slow) ---------------------------------------------------------------------

@@ -177,3 +177,44 @@ def _priced_as_predicted(plan: str, run) -> float:
     predicted = json.loads((run / "summary.json").read_text())["predicted_step_time_s"]
     assert step == pytest.approx(predicted, rel=1e-3), plan
     return step
+
+
+def test_two_config_files_of_one_folder_are_two_names_and_an_old_run_resumes(tmp_path,
+                                                                            monkeypatch):
+    """Audit s54, finding 6: `--model cfg/a.json` and `--model cfg/b.json` were both named
+    'cfg' (the folder) in every table, run.toml, plan.toml and done line; a config file not
+    called config.json is named by its stem (model/hf_config.py `_folder_name`; a stem that
+    is a preset's name without its shapes is '<preset>-custom'). A run recorded under the
+    folder's name (cfg/config.json: 'cfg', as runs were before) resumes with the same shapes
+    from cfg/a.json (resume compares shapes, not names) and is 'a' from then on; its plan.toml
+    is priced from a folder that holds a folder 'a'."""
+    import json
+
+    from testkit.cli_inproc import meshtron_main
+
+    (tmp_path / "cfg").mkdir()
+    for name, layers in (("config", 2), ("a", 2), ("b", 3), ("debug", 3)):
+        (tmp_path / "cfg" / f"{name}.json").write_text(
+            json.dumps({**SMALL_LLAMA, "num_hidden_layers": layers}))
+    monkeypatch.chdir(tmp_path)
+    heads = {}
+    for name in ("a", "b", "debug"):
+        rc, out, err = meshtron_main("plan", "--model", f"cfg/{name}.json", "--cluster",
+                                     "nominal-cpu:1", "--global-batch", "4", "--seq-len", "32",
+                                     "--top", "1")
+        assert rc == 0, err
+        heads[name] = out.split(" (")[0]
+    assert heads == {"a": "a", "b": "b", "debug": "debug-custom"}, heads
+    train = ["train", "--zero", "1", "--eval-every", "0", "--seq-len", "32", "--global-batch",
+             "4", "--run-dir", "run"]
+    rc, out, err = meshtron_main(*train, "--model", "cfg/config.json", "--steps", "2",
+                                 "--checkpoint-every", "2")
+    assert rc == 0 and 'model = "cfg"' in (tmp_path / "run" / "plan.toml").read_text(), err
+    rc, out, err = meshtron_main(*train, "--model", "cfg/a.json", "--steps", "3", "--resume")
+    assert rc == 0, err
+    assert "extending the run from train.steps=2 to 3" in err and "done: a (" in out, out + err
+    assert 'model = "a"' in (tmp_path / "run" / "plan.toml").read_text()
+    assert 'name = "a"' in (tmp_path / "run" / "run.toml").read_text()
+    (tmp_path / "sub" / "a").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "sub")  # 'a' here is an empty folder: the run's model wins
+    _priced_as_predicted("../run/plan.toml", tmp_path / "run")

@@ -179,6 +179,18 @@ def test_preemption_with_restarts_requeues_without_a_restart(tmp_path):
     code, doc = _doctor(run_dir)
     assert code == 0 and doc["kind"] == "preempted", doc
     assert f"every rank wrote the checkpoint of step {step} " in doc["verdict"], doc["verdict"]
+    # audit s55: once resumed, `doctor --earlier 1` judged the preempted launch 'kind: none'
+    # (its preempted record is in the run's metrics.jsonl, not in earlier/1)
+    resumed = subprocess.run([*TRAIN, "--run-dir", str(run_dir), "--resume", "--steps",
+                              str(step + 1)], capture_output=True, text=True, timeout=150,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    earlier = subprocess.run([sys.executable, "-m", "meshtron", "doctor", str(run_dir),
+                              "--earlier", "1", "--json"], capture_output=True, text=True,
+                             timeout=60)
+    doc = json.loads(earlier.stdout)
+    assert earlier.returncode == 0 and doc["kind"] == "preempted", doc
+    assert f"every rank wrote the checkpoint of step {step} " in doc["verdict"], doc["verdict"]
 
 
 def test_sigterm_without_checkpoint_returns_what_it_says(tmp_path):

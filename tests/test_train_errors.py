@@ -280,29 +280,74 @@ def test_a_model_that_cannot_fit_one_process_is_refused_before_the_run_folder(ca
     written. A vocabulary of 1e12 makes 1.9 PiB: more than any machine this runs on (and
     without the check its first tensor fails at once, never filling the memory)."""
     run = tmp_path / "r"
-    _one_line(capsys, main(["train", "--model", "debug", "--set", "model.vocab=1000000000000",
-                            "--steps", "1", "--run-dir", str(run)]),
-              "model=debug-custom: one process needs at least 1,907,348.6 GiB for its weights, "
-              "gradients and AdamW state (128,000,000,092,480 parameters x 16 B")
+    line = _one_line(capsys, main(["train", "--model", "debug", "--set",
+                                   "model.vocab=1000000000000", "--steps", "1", "--run-dir",
+                                   str(run)]),
+                     "model=debug-custom: one process needs at least 1,907,348.6 GiB for its "
+                     "weights, gradients and AdamW state (128,000,000,092,480 parameters x 16 B")
     assert not run.exists()
+    if Path("/proc/meminfo").is_file():  # what it compares with: the memory available now
+        assert " GiB available (MemAvailable, /proc/meminfo) of " in line, line
 
 
-def test_the_memory_floor_reads_a_gpus_memory_and_counts_the_bf16_copy():
-    """The CUDA branch by injection (the device API local_device injects too): a GPU's total
-    memory is the limit, and a bf16 run's compute copy adds 2 B a parameter."""
+def test_the_memory_floor_reads_a_gpus_free_memory_and_counts_the_bf16_copy():
+    """The CUDA branch by injection (the device API local_device injects too): a GPU's free
+    memory (cudaMemGetInfo) is the limit, not its total (audit s54, finding 5), and a bf16
+    run's compute copy adds 2 B a parameter."""
     import types
 
     import torch
 
     from meshtron.config import config_from_dict
     from meshtron.errors import UserError
-    from meshtron.train.local_memory import check_fits, device_memory_bytes
+    from meshtron.train.local_memory import DeviceMemory, check_fits, device_memory
 
-    gpu = types.SimpleNamespace(get_device_properties=lambda device: types.SimpleNamespace(
-        total_memory=80 * 2**30))
-    assert device_memory_bytes(torch.device("cuda", 0), gpu=gpu) == 80 * 2**30
+    gpu = types.SimpleNamespace(mem_get_info=lambda device: (30 * 2**30, 80 * 2**30))
+    got = device_memory(torch.device("cuda", 0), gpu=gpu)
+    assert (got.available, got.total) == (30 * 2**30, 80 * 2**30)
+    assert got.source == "free (torch.cuda.mem_get_info)"
     cfg = config_from_dict({"model": "debug", "train": {"dtype": "bf16"}})
     need = cfg.model.num_params() * 18
-    check_fits(cfg, torch.device("cpu"), total=need)  # exactly enough: let through
+    check_fits(cfg, torch.device("cpu"), DeviceMemory(need, None, "x"))  # exactly enough
     with pytest.raises(UserError, match=r"x 18 B, train.dtype=bf16\), more than this cpu's"):
-        check_fits(cfg, torch.device("cpu"), total=need - 1)
+        check_fits(cfg, torch.device("cpu"), DeviceMemory(need - 1, None, "x"))
+    with pytest.raises(UserError, match=r"more than this cuda's 0\.0 GiB free "
+                                        r"\(torch\.cuda\.mem_get_info\) of 80\.0 GiB"):
+        check_fits(cfg, torch.device("cuda", 0),
+                   device_memory(torch.device("cuda", 0), gpu=types.SimpleNamespace(
+                       mem_get_info=lambda device: (need - 1, 80 * 2**30))))
+
+
+def test_the_memory_floor_reads_memavailable_not_the_total(tmp_path):
+    """On a CPU the limit is the kernel's MemAvailable (a shared machine's other jobs hold the
+    rest; audit s54, finding 5), read from the file the kernel writes in kB."""
+    import torch
+
+    from meshtron.train.local_memory import device_memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\n"
+                       "MemAvailable:    5000000 kB\nBuffers:          100 kB\n")
+    got = device_memory(torch.device("cpu"), meminfo=meminfo)
+    assert got.available == 5000000 * 1024 and got.source == f"available (MemAvailable, {meminfo})"
+    assert got.total == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    none = device_memory(torch.device("cpu"), meminfo=tmp_path / "absent")  # not Linux
+    assert none.available == none.total and none.source == "physical (no MemAvailable)"
+
+
+def test_a_restart_before_any_logged_step_says_so(tmp_path):
+    """Audit s55: a rank that failed before its first step under --max-restarts made the
+    restart line read 'resumed from step 0, None logged step(s) lost'. The fault (bad targets
+    in every attempt's first batch: torch raises in the step) fails both attempts."""
+    env = {"PYTHONPATH": os.pathsep.join([FAULTS, os.environ.get("PYTHONPATH", "")]),
+           "MESHTRON_TEST_BAD_TARGETS_AT": "1"}
+    ranks = _meshtron("train", *RUN, "--nproc", "2", "--plan", "dp=2", "--max-restarts", "1",
+                      "--run-dir", str(tmp_path / "r"), env=env)
+    assert ranks.returncode == 1, ranks.stderr[-3000:]
+    # and said before the run: restarts without checkpoints start over (audit s55)
+    assert ("meshtron train: warning: --max-restarts 1 without --checkpoint-every: a restart "
+            "starts over from step 0 (no checkpoint to resume from)") in ranks.stderr
+    line = next((x for x in ranks.stderr.splitlines() if "restart 1 (torchrun):" in x), "")
+    assert line.endswith("; started again from step 0 (no step had been logged)"), \
+        ranks.stderr[-3000:]
+    assert "None" not in ranks.stderr, ranks.stderr[-3000:]

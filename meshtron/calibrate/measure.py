@@ -160,6 +160,8 @@ class Calibration:
             out["eager_kernel_overhead_us"] = round(self.kernel_overhead_us, 3)
         if self.spread:
             out["measurement_spread"] = {k: round(v, 3) for k, v in self.spread.items()}
+        if self.device == "cpu":  # a rank's memory is the host's: no host offload (cluster.cpu)
+            out["cpu"] = True
         return out
 
 

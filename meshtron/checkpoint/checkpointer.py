@@ -65,6 +65,16 @@ def _stager(staging_thread: bool = True):
     return staging.OrderedStager(staging_thread, staging.device_streams())
 
 
+def _as_typed(line: str, ckpt: CheckpointConfig) -> str:
+    """A refusal of the checkpoint's settings, named as what the user typed: an elastic round
+    continues the job's checkpoint without a --resume (audit s55: its ranks said '--resume:
+    train.steps=20: ...' to a user who never gave --resume)."""
+    if ckpt.resume_if_any and not ckpt.resume and line.startswith("--resume: "):
+        return ("elastic round (continuing the job's newest checkpoint): "
+                + line.removeprefix("--resume: "))
+    return line
+
+
 def make_checkpointer(ckpt: CheckpointConfig | None, cfg: Any, engine: Any, data: Any,
                       plan: Any = None) -> "Checkpointer | None":
     """The loop's checkpointer for this job (collective: every rank calls it), or None when the
@@ -234,8 +244,8 @@ class Checkpointer:
             from meshtron.checkpoint import phases
 
             event["phases"] = phases.marks()  # this rank's start-up, for the benches
-            self.say(f"restart {n} (torchrun): {event['cause']}; resumed from step "
-                     f"{self.start_step}, {event['lost_steps']} logged step(s) lost")
+            self.say(f"restart {n} (torchrun): {event['cause']}; "
+                     f"{restart.resumed_words(self.start_step, event['lost_steps'])}")
         else:
             event = {"event": "resume", "resumed_from_step": self.start_step,
                      "last_logged_step": last, "time": time.time()}
@@ -258,8 +268,11 @@ class Checkpointer:
 
         t0 = time.perf_counter()
         meta = store.read_meta(folder)
-        check_compatible(meta, self.cfg, folder, self.plan,
-                         lr_override=self.ckpt.override_lr_schedule)
+        try:
+            check_compatible(meta, self.cfg, folder, self.plan,
+                             lr_override=self.ckpt.override_lr_schedule)
+        except UserError as exc:
+            raise UserError(_as_typed(str(exc), self.ckpt)) from None
         saved_replicas = int(meta.get("replica_states", 1))
         per_replica = saved_replicas > 1 and saved_replicas == self.state.replicas
         if saved_replicas > 1 and not per_replica:

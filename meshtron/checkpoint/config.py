@@ -147,3 +147,32 @@ def parse_every(text: str) -> int | str:
     except ValueError:
         raise UserError(f"--checkpoint-every={text!r}: allowed an integer >= 0 (steps; 0 = off) "
                         "or 'auto'") from None
+
+
+def refuse_unread(typed: dict[str, Any], ckpt: CheckpointConfig, compression: str) -> None:
+    """A flag that only tunes checkpointing, given where it reads nothing, is refused in one
+    line (it trained as if not given: audit s54, finding 3), as `--outer-lr` without --diloco
+    is (planner/comm_flags.py refuse_unread). `typed`: the flags as the user typed them, by
+    name without dashes (None: not given); `ckpt`: the run's settings (a resume's recorded
+    ones included); `compression`: the plan's gradient compression ('none' without)."""
+    mtbf, keep = typed.get("mtbf_hours"), typed.get("keep")
+    grace, residuals = typed.get("preempt_grace"), typed.get("checkpoint_residuals")
+    if mtbf is not None and ckpt.every != "auto":
+        raise UserError(f"--mtbf-hours={mtbf:g}: only with --checkpoint-every auto (Daly's "
+                        "interval is all that reads it; `meshtron cost` prices a run's "
+                        "failures)")
+    if keep is not None and ckpt.every == 0:
+        raise UserError(f"--keep={keep}: only with --checkpoint-every N or auto (checkpoints "
+                        "are off without it, so there is nothing to keep)")
+    if grace is not None and not ckpt.enabled:
+        raise UserError(f"--preempt-grace={grace:g}: only with --checkpoint-every, --resume or "
+                        "--max-restarts (without them SIGTERM is not intercepted and no "
+                        "checkpoint is written)")
+    if residuals is None:
+        return
+    if compression in (None, "none"):
+        raise UserError(f"--checkpoint-residuals={residuals}: only with --grad-compression "
+                        "bf16 or int8 (what checkpoints hold of its error feedback)")
+    if ckpt.every == 0:
+        raise UserError(f"--checkpoint-residuals={residuals}: only with --checkpoint-every N "
+                        "or auto (checkpoints are off without it)")

@@ -327,6 +327,14 @@ def last_attempt(run_dir: str | Path) -> int:
     return max(numbers, default=0)
 
 
+def resumed_words(resumed_from: int, lost: int | None) -> str:
+    """'resumed from step 40, 3 logged step(s) lost' for the restart line; a failure before any
+    step was logged (lost None) started over: it printed 'None logged step(s) lost'."""
+    if lost is None:
+        return f"started again from step {resumed_from} (no step had been logged)"
+    return f"resumed from step {resumed_from}, {lost} logged step(s) lost"
+
+
 def restart_record(run_dir: str | Path, world_size: int, resumed_from: int,
                    last_logged: int | None) -> dict[str, Any]:
     """The metrics.jsonl `restart` record of this attempt."""

@@ -163,10 +163,28 @@ def _no_checkpoints(root) -> str:
         return ""
     if not run_dir.is_dir():
         return f"{run_dir} holds no run"
-    if (run_dir / "metrics.jsonl").is_file():
-        return ("the run there saved none: checkpoints are off unless --checkpoint-every N "
-                "is given")
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        # run.toml records no checkpoint settings: a run of --checkpoint-every 50 killed at
+        # step 8 was told its checkpoints were off (audit s55); say both and how far it got
+        return (f"the run there saved none{_logged_up_to(metrics)}: checkpoints are off "
+                "unless --checkpoint-every N is given, and with it the first is saved at step N")
     return ""
+
+
+def _logged_up_to(metrics) -> str:
+    """' by its last logged step, 8' from metrics.jsonl ('' when it logged none)."""
+    import json
+
+    last = None
+    for line in metrics.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut by the kill
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            last = record["step"]
+    return "" if last is None else f" by its last logged step, {last}"
 
 
 def check_resume(ckpt: CheckpointConfig, cfg: Any, plan: Any = _NO_PLAN) -> None:

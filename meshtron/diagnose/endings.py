@@ -96,7 +96,7 @@ def _preempted_record(trace: Trace) -> dict[str, Any] | None:
     since = min(signalled, default=start) - 1.0
     found = [m for m in trace.metrics if m.get("event") == "preempted"
              and m.get("time", 0) >= since]
-    return found[-1] if found else None
+    return found[0] if found else None  # the first since: a later launch's come after it
 
 
 def preempted(trace: Trace):

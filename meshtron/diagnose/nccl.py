@@ -83,12 +83,14 @@ class NcclReport:
     flags: list[dict[str, str]]
     warnings: list[str]
     timeouts: list[dict[str, Any]]
+    banners: tuple[str, ...] = ()
+    """Versions of the bare banners (a merged log's name no process: counted 0 processes)."""
 
     def to_dict(self) -> dict[str, Any]:
+        versions = Counter(p["version"] for p in self.processes.values() if p.get("version"))
         return {"files": self.files, "hosts": sorted({p["host"] for p in self.processes.values()}),
                 "processes": len(self.processes),
-                "versions": dict(Counter(p["version"] for p in self.processes.values()
-                                         if p.get("version"))),
+                "versions": {**{b: 0 for b in sorted(self.banners)}, **dict(versions)},
                 "communicators": [c.to_dict() for c in self.comms], "flags": self.flags,
                 "warnings": self.warnings, "timeouts": self.timeouts}
 
@@ -107,7 +109,7 @@ class NcclReport:
         for f in self.flags:
             lines.append(f"{f['severity'].upper()}: {f['text']}")
         lines.append("")
-        lines.append("NCCL versions: " + (", ".join(f"{v} ({n} processes)"
+        lines.append("NCCL versions: " + (", ".join(f"{v} ({_processes(n)})"
                                                     for v, n in d["versions"].items())
                                           or "not in the logs"))
         for c in self.comms:
@@ -132,6 +134,10 @@ def transport(via: str, intra: set[str]) -> str:
     return parts[0]
 
 
+def _processes(n: int) -> str:
+    return "a banner naming no process" if n == 0 else f"{n} process{'es' if n != 1 else ''}"
+
+
 class _Reader:
     def __init__(self):
         self.processes: dict[str, dict[str, Any]] = {}
@@ -140,7 +146,13 @@ class _Reader:
         self.warnings: list[str] = []
         self.timeouts: list[dict[str, Any]] = []
         self.ib_hosts: set[str] = set()
-        self.last_version: str | None = None
+        self.file_banners: set[str] = set()
+        """The bare banners of the file being read (NCCL_DEBUG=VERSION/WARN prints it without
+        NCCL's prefix, once per process that initialises NCCL)."""
+        self.file_processes: set[str] = set()
+        self.banners: set[str] = set()
+        """Every bare banner's version (a merged log's banners name no process)."""
+        """The processes the file being read has lines of."""
 
     def line(self, raw: str) -> None:
         if t := _TIMEOUT.search(raw):  # PyTorch's watchdog, behind its own prefixes
@@ -154,6 +166,7 @@ class _Reader:
             return
         proc = self.processes.setdefault(f"{m['host']}:{m['pid']}",
                                          {"host": m["host"], "pid": int(m["pid"])})
+        self.file_processes.add(f"{m['host']}:{m['pid']}")
         msg = m["msg"].strip()
         if m["level"] in ("WARN", "ERROR", "ABORT"):
             self.warnings.append(f"{m['host']}:{m['pid']} [{m['dev']}] {msg}")
@@ -172,7 +185,17 @@ class _Reader:
     def _bare(self, text: str) -> None:
         """Lines without NCCL's prefix: rank 0's version banner."""
         if text.startswith("NCCL version") and (v := _VERSION.search(text)):
-            self.last_version = v["v"]
+            self.file_banners.add(v["v"])
+            self.banners.add(v["v"])
+
+    def end_file(self) -> None:
+        """A file's bare banner is its own processes' version (one log per node: each node's
+        NCCL); it was the last file's for every process, so two nodes of different NCCL
+        versions read as one (audit s55)."""
+        if len(self.file_banners) == 1:  # several (a merged log): whose is unknown
+            for name in self.file_processes:
+                self.processes[name].setdefault("version", next(iter(self.file_banners)))
+        self.file_banners, self.file_processes = set(), set()
 
     def _comm(self, c, m, proc) -> None:
         key = c["id"] or c["ptr"]
@@ -200,12 +223,9 @@ class _Reader:
                 comm.trees = max(comm.trees, msg.count("["))
 
     def report(self, files: list[str], tp: int | None) -> NcclReport:
-        if self.last_version:  # the bare banner: a process that printed no prefixed version
-            for p in self.processes.values():
-                p.setdefault("version", self.last_version)
         comms = sorted(self.comms.values(), key=lambda c: (-c.nranks, c.key))
         return NcclReport(files, self.processes, comms, self._flags(comms, tp),
-                          self.warnings, self.timeouts)
+                          self.warnings, self.timeouts, tuple(sorted(self.banners)))
 
     # -- what hurts ----------------------------------------------------------------------------
     def _flags(self, comms: list[Comm], tp: int | None) -> list[dict[str, str]]:
@@ -218,6 +238,8 @@ class _Reader:
         for name, p in self.processes.items():
             versions[p.get("version")].append(name)
         versions.pop(None, None)
+        for banner in self.banners - set(versions):  # a merged log's: no process known
+            versions[banner].append("an unnamed process")
         if len(versions) > 1:
             desc = "; ".join(f"{v} on {', '.join(sorted(ps)[:4])}"
                              + (f" and {len(ps) - 4} more" if len(ps) > 4 else "")
@@ -287,6 +309,7 @@ def analyze_files(paths: list[str], tp: int | None = None) -> NcclReport:
         with p.open(errors="replace") as f:
             for raw in f:
                 reader.line(raw)
+        reader.end_file()
     if not reader.processes and not reader.timeouts:
         raise UserError(f"--nccl-log={' '.join(repr(str(x)) for x in paths)}: no NCCL log "
                         "lines (run with NCCL_DEBUG=INFO)")

@@ -28,6 +28,8 @@ class TimelineReport:
     """Pipelined runs: measured idle fraction of the stages' p2p waits and the planner's."""
     trace_path: Path | None = None
     png_path: Path | None = None
+    notes: list[str] = field(default_factory=list)
+    """Lines printed under the table (a launch of one step: why it shows no steady step)."""
 
     def fractions(self, rank: int) -> dict[str, float]:
         r = self.ranks[rank]
@@ -38,7 +40,7 @@ class TimelineReport:
         return {"ranks": {str(k): {"label": self.labels[k], "span_s": v["span"],
                                    "steps": v["steps"], **self.fractions(k)}
                           for k, v in self.ranks.items()},
-                "bubble": self.bubble, "trace": str(self.trace_path),
+                "bubble": self.bubble, "notes": self.notes, "trace": str(self.trace_path),
                 "png": str(self.png_path) if self.png_path else None}
 
     def text(self) -> str:
@@ -62,6 +64,7 @@ class TimelineReport:
                                                    else f"n/a ({b.get('predicted_error')})")
                          + f"; planner's formula on the measured stage compute "
                            f"{b['formula_on_measured']:.1%}")
+        lines.extend(self.notes)
         lines.append(f"trace: {self.trace_path}" + (f"; plot: {self.png_path}"
                                                      if self.png_path else ""))
         return "\n".join(lines)
@@ -97,7 +100,7 @@ def build_report(run_dir: Path | str, png: bool = True) -> TimelineReport:
         phases["step_starts"] = [s["start_t"] for s in doc["steps"]]
         ranks[rank] = phases
     labels = {r: trace.label(r) for r in ranks}
-    report = TimelineReport(ranks, labels)
+    report = TimelineReport(ranks, labels, notes=start_up_notes(docs))
     report.bubble = pipeline_bubble(trace, ranks)
     report.trace_path = tdir / "timeline.json"
     tl_json = chrome_trace(trace, docs, ranks)
@@ -105,6 +108,22 @@ def build_report(run_dir: Path | str, png: bool = True) -> TimelineReport:
     if png:
         report.png_path = plot(report, tdir / "timeline.png")
     return report
+
+
+def start_up_notes(docs: dict[int, dict[str, Any]]) -> list[str]:
+    """Why the table shows no steady step, when every rank's window is its launch's first step
+    alone (timeline.py keeps it only then): that step's time holds the start-up. Documents
+    written before `launch_first_step` was recorded: step 1 is a launch's first."""
+    firsts = {doc.get("launch_first_step") or 1 for doc in docs.values()}
+    only = {tuple(s["step"] for s in doc["steps"]) for doc in docs.values()}
+    if len(firsts) != 1 or only != {(next(iter(firsts)),)}:
+        return []
+    step = next(iter(firsts))
+    load = "" if step == 1 else ", loading the checkpoint it resumed from"
+    launch = "this launch" if step == 1 else "this resumed launch"
+    return [f"only step {step} ran in {launch}: its time includes the start-up (building "
+            f"the model, the first allocations{load}), so the table shows no steady step "
+            "(a launch of two or more steps is timed from its second step)"]
 
 
 # ---- Chrome trace ------------------------------------------------------------------------------

@@ -244,7 +244,13 @@ def _ranks_named(names) -> list[int]:
 
 
 def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """RUN_DIR/metrics.jsonl's records; for a launch a --resume kept (RUN_DIR/earlier/N, which
+    holds no metrics of its own) the run's, whose records of that launch (its `preempted`
+    record: endings.py) the readers pick by time (audit s55: `doctor --earlier 1` of a
+    preempted launch said 'kind: none')."""
     metrics = []
+    if not (run_dir / "metrics.jsonl").is_file() and run_dir.parent.name == "earlier":
+        run_dir = run_dir.parent.parent
     if (run_dir / "metrics.jsonl").is_file():
         # a damaged log reads as far as it is JSON (not a UnicodeDecodeError traceback)
         text = (run_dir / "metrics.jsonl").read_bytes().decode("utf-8", errors="replace")

@@ -98,6 +98,7 @@ class TimelineCapture:
         return {"format": FORMAT, "rank": session.rank, "world_size": session.world_size,
                 "mesh": session.mesh, "groups": session.recorder.group_table(),
                 "window": [t0, t1], "steps": steps,
+                "launch_first_step": first,  # kept above only when it is the only step
                 "waits": [list(w) for w in waits if w[1] >= t0 and w[0] <= t1],
                 # Operations still outstanding at the window's start count too: a wait in
                 # the window may be for one of them.

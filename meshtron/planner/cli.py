@@ -48,8 +48,8 @@ def register(subparsers: Any) -> None:
                    help="preset name, Hugging Face config.json path, or TOML file with a model key")
     p.add_argument("--cluster", required=True,
                    help="dgx-a100:N, dgx-h100:N, dgx-h200:N (N nodes of 8 GPUs), "
-                        "nominal-cpu:N (N CPU ranks on one machine: what an uncalibrated CPU "
-                        "run plans on) or a cluster TOML")
+                        "nominal-cpu:N (N CPU ranks on one machine, each with 1/N of its memory: "
+                        "what an uncalibrated CPU run plans on) or a cluster TOML")
     p.add_argument("--global-batch", type=positive_int, default=None,
                    help="sequences per step (default: about 4M tokens' worth)")
     p.add_argument("--seq-len", type=positive_int, default=None,
@@ -316,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
                      f"(about {DEFAULT_TOKENS_PER_STEP // 2**20}M tokens)")
     from meshtron.planner.comm_flags import refuse_unread, requested, search_knobs
 
-    comm = requested(args)  # priced on the searched layouts (search.py `_with_comm`)
+    comm = requested(args)  # priced on every searched layout (search.py `_priced`)
     refuse_unread(comm)
     knobs = {**search_knobs(comm, collect_knobs(args)), **comm}
     # a pinned layout (one layout left to the search) is priced even when predicted not to fit
@@ -331,6 +331,11 @@ def run(args: argparse.Namespace) -> int:
     if line:
         result.notes.append(line)
     line = launch_note(result)  # when the GPU waits on the host's kernel launches
+    if line:
+        result.notes.append(line)
+    from meshtron.planner.fp8_advice import fp8_note
+
+    line = fp8_note(result, knobs, fw)  # FP8 priced slower than bf16 on the eager stack
     if line:
         result.notes.append(line)
     width = None if sys.stdout.isatty() else (220 if args.wide else 100)

@@ -33,6 +33,7 @@ Cluster TOML (`--cluster my.toml`)::
     # host_link_gb_per_s = 450      # optional: host <-> GPU per direction (GH200 NVLink-C2C)
     # host_memory_gib = 3576        # optional: host memory per node (8 GH200: 8 x 447 GiB)
     # sustained_clock_mhz = 1620    # optional: SM clock under load (power cap, locked clock)
+    # cpu = true                  # optional: the devices are CPU cores (no host offload)
     # measured by `meshtron calibrate` (optional):
     # elementwise_gb_per_s = 2400   # achieved bandwidth of eager element-wise ops, GB/s
     # eager_kernel_overhead_us = 6  # one tiny eager op (dispatch + launch), microseconds
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,6 +243,11 @@ class ClusterSpec:
     """How much `meshtron calibrate`'s repeats of each figure disagreed (interquartile range /
     median; the TOML gives a table, figure -> fraction): past NOISY_SPREAD, plan and train say
     the figures are noisy (`noise_note`). Never changes a prediction."""
+    cpu: bool = False
+    """The devices are the host's CPU cores (`nominal-cpu`, `meshtron calibrate` on a CPU, a
+    file's `cpu = true`): a rank's memory IS the host's, `memory_gib` its share of the
+    machine, so host offload moves nothing off it and the search never offers it (an
+    explicit --offload still runs: the runtime's code path, tested on CPU)."""
     file: str | None = dataclasses.field(default=None, compare=False, repr=False)
     """The cluster TOML it was read from, absolute (None: a preset or built in code): what a
     run's plan.toml records, so that `cost`, `simulate` and `rehearse --plan RUN/plan.toml`
@@ -275,6 +282,8 @@ class ClusterSpec:
         for field in ("host_link_gb_per_s", "host_memory_gb_per_s", "host_memory_gib"):
             if getattr(self, field) is not None:
                 _positive(f"cluster.{field}", getattr(self, field))
+        if not isinstance(self.cpu, bool):
+            raise UserError(f"cluster.cpu={self.cpu!r}: must be true or false")
         if self.sustained_clock_mhz is not None:
             _positive("cluster.sustained_clock_mhz", self.sustained_clock_mhz)
             boost = gpu_type(self.gpu).boost_clock_mhz if self.gpu is not None else None
@@ -376,7 +385,7 @@ class ClusterSpec:
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in dataclasses.asdict(self).items()
-               if v is not None and k != "file"}
+               if v is not None and k != "file" and not (k == "cpu" and v is False)}
         if self.gemm_efficiency is not None:
             out["gemm_efficiency"] = [dataclasses.asdict(g) for g in self.gemm_efficiency]
         if self.measurement_spread is not None:
@@ -471,19 +480,30 @@ def _positive(field: str, value: Any) -> None:
 
 # The figures `meshtron train` plans with on an uncalibrated CPU machine; reports then say
 # the prediction is nominal. Figures: one CPU core's fp32 GEMM rate and loopback gloo, the order
-# of magnitude `meshtron calibrate` measures on a 2-core VM (meshtron's own measurement).
+# of magnitude `meshtron calibrate` measures on a 2-core VM (meshtron's own measurement). The
+# memory is not nominal: each rank gets its share of this machine's physical memory (as
+# calibrate's device_figures records it), and host offload is not offered (`cpu`).
 NOMINAL_CPU = "nominal-cpu"
 NOMINAL_CPU_CLUSTER = {"name": NOMINAL_CPU, "peak_tflops": 0.05, "matmul_efficiency": 1.0,
-                       "memory_gib": 4.0, "hbm_gb_per_s": 10.0, "intra_node_gb_per_s": 1.0,
+                       "hbm_gb_per_s": 10.0, "intra_node_gb_per_s": 1.0,
                        "inter_node_gb_per_s": 1.0, "intra_node_latency_us": 500.0,
-                       "inter_node_latency_us": 500.0, "bandwidth_efficiency": 1.0, "nodes": 1}
+                       "inter_node_latency_us": 500.0, "bandwidth_efficiency": 1.0, "nodes": 1,
+                       "cpu": True}
 
 
-def nominal_cpu_cluster(ranks: int) -> ClusterSpec:
+def machine_memory_gib() -> float:
+    """This machine's physical memory, GiB (os.sysconf: no torch, no psutil)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def nominal_cpu_cluster(ranks: int, machine_gib: float | None = None) -> ClusterSpec:
     """`ranks` CPU ranks on one machine with the nominal figures, named `nominal-cpu:<ranks>`:
-    the name a run prints is the `--cluster` value that plans on the same figures."""
+    the name a run prints is the `--cluster` value that plans on the same figures (on the same
+    machine: each rank's memory is `machine_gib`, default this machine's, over `ranks`)."""
+    total = machine_memory_gib() if machine_gib is None else machine_gib
     return cluster_from_dict({**NOMINAL_CPU_CLUSTER, "name": f"{NOMINAL_CPU}:{ranks}",
-                              "gpus_per_node": ranks})
+                              "gpus_per_node": ranks,
+                              "memory_gib": round(total / ranks, 2)})
 
 
 def _preset_words() -> str:
@@ -512,7 +532,7 @@ _CLUSTER_KEYS = {"name", "gpu", "peak_tflops", "memory_gib", "gpus_per_node", "n
                  "bandwidth_efficiency", "price_per_gpu_hour", "gemm_efficiency",
                  "elementwise_gb_per_s", "eager_kernel_overhead_us",
                  "collective_base_latency_us", "host_link_gb_per_s", "host_memory_gb_per_s",
-                 "host_memory_gib", "sustained_clock_mhz", "measurement_spread"}
+                 "host_memory_gib", "sustained_clock_mhz", "measurement_spread", "cpu"}
 
 
 def cluster_from_dict(data: dict[str, Any], name: str = "cluster") -> ClusterSpec:

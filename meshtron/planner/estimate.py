@@ -80,6 +80,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 from meshtron.planner import (comm, compression, compute, memory, pipeline, pipeline_dualpipe,
                               pipeline_split, zb_recompute)
@@ -116,6 +117,10 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
                  opts: KernelOptions | None = None,
                  mem: memory.MemoryOptions | None = None) -> None:
         self.model, self.cluster = model, cluster
+        self.traffic_knobs: dict[str, Any] = {}
+        """Data-parallel traffic knobs (gradient compression, DiLoCo: Plan.comm_knobs) every
+        evaluated config takes (search.py sets them): the search then ranks the layouts with
+        their residuals' memory and their traffic, not only its top k after it."""
         # what a token computes (a mixture of experts: its active experts); memory and the
         # data-parallel traffic count every parameter (self.model)
         self.active = compute.active_equivalent(model)
@@ -165,6 +170,11 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
         model, the layer split, the step time (estimate_time.py), the interleaved schedule's
         walk, the result."""
         self.evaluated += 1
+        if self.traffic_knobs:
+            try:
+                cfg = cfg.replace(**self.traffic_knobs)
+            except UserError:  # a config they cannot act on (dp=1, DiLoCo's ZeRO rules)
+                return None
         if pipeline_dualpipe.is_dualpipe(cfg):  # priced as the V it is per rank
             est = self.evaluate(pipeline_dualpipe.fold(cfg), keep_infeasible, exact_memory,
                                 cutoff, stage)

@@ -24,7 +24,7 @@ from meshtron.errors import UserError
 from meshtron.planner.estimate import Estimate
 from meshtron.planner.plan import Plan
 from meshtron.planner.plan_knobs import Knobs
-from meshtron.planner.search import SearchResult, search_plans
+from meshtron.planner.search import SearchResult, search_plans, split_comm
 
 FIT_KNOBS = ("recompute", "zero", "micro_batch", "sp", "schedule", "offload")
 """Knobs that trade memory for time on a fixed layout: the ones the user fixed are freed one at
@@ -84,15 +84,18 @@ def answer_pinned(result: SearchResult, fixed: Knobs | dict[str, Any] | None,
         return result
     t0 = time.perf_counter()
     result.plans, result.pinned = [result.near_miss_priced], True
-    result.fit_change = cheapest_fit(result, Knobs.of(fixed), framework)
+    knobs, traffic = split_comm(fixed)  # `plan --layout dp=8 --grad-compression int8`
+    result.fit_change = cheapest_fit(result, Knobs.of(knobs), framework, traffic)
     result.seconds += time.perf_counter() - t0
     return result
 
 
-def cheapest_fit(result: SearchResult, knobs: Knobs, framework: Any = None) -> FitChange | None:
+def cheapest_fit(result: SearchResult, knobs: Knobs, framework: Any = None,
+                 traffic: dict[str, Any] | None = None) -> FitChange | None:
     """The fastest plan of the pinned layout that fits when one fixed knob of FIT_KNOBS is left
     to the search, else when all of them are; None when neither fits (or none is fixed: the
-    search already tried every value). Its evaluations count in `result.evaluated`."""
+    search already tried every value). `traffic`: the data-parallel traffic knobs priced
+    (gradient compression, DiLoCo). Its evaluations count in `result.evaluated`."""
     fixed = [k for k in FIT_KNOBS if getattr(knobs, k) is not None]
     best: Estimate | None = None
     for names in [[k] for k in fixed] + ([fixed] if len(fixed) > 1 else []):
@@ -103,7 +106,9 @@ def cheapest_fit(result: SearchResult, knobs: Knobs, framework: Any = None) -> F
             free["virtual_stages"] = None
         try:
             found = search_plans(result.model, result.cluster, result.global_batch,
-                                 result.seq_len, dataclasses.replace(knobs, **free), top_k=1,
+                                 result.seq_len,
+                                 {**dataclasses.replace(knobs, **free).to_dict(),
+                                  **(traffic or {})}, top_k=1,
                                  explain=False, framework=framework)
         except UserError:
             continue  # e.g. the freed knob leaves no valid value on this layout

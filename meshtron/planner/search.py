@@ -60,13 +60,13 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     gradient reduction dtype (unless `fixed` has one). Without it, `options` / `mem` override
     what is costed (memory.MemoryOptions; the dtype is the plan's); default meshtron's runtime,
     or for a saved Plan the stack and options it was priced with (Plan.framework). A saved
-    Plan's grad_compression / diloco (or those keys of a dict) price the answers
-    (`_with_comm`)."""
+    Plan's grad_compression / diloco (or those keys of a dict) price every config the search
+    evaluates (`_priced`)."""
     t0 = time.perf_counter()
     if (framework is None and options is None and mem is None and isinstance(fixed, Plan)
             and (fixed.framework is not None or fixed.framework_options)):
         framework = for_plan(fixed)
-    fixed, comm = _split_comm(fixed)
+    fixed, comm = split_comm(fixed)
     knobs = Knobs.of(fixed)
     if framework is not None:
         framework = for_model(framework, model)  # the stack's MoE path (idempotent)
@@ -77,12 +77,13 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     opts = options or preset("meshtron").kernel
     if knobs.compile or knobs.async_tp:  # what --compile runs: compute.compiled
         opts = dataclasses.replace(compiled(opts), async_tp=opts.async_tp or bool(knobs.async_tp))
-    ev = Evaluator(model, cluster, global_batch, seq_len, opts, mem=mem)
+    ev = _priced(Evaluator(model, cluster, global_batch, seq_len, opts, mem=mem), comm)
     runtime = framework is None or framework.name == "meshtron"
     space = SearchSpace(model, cluster, global_batch, seq_len, knobs, opts, ev.mem, runtime,
-                        framework)
+                        framework, ev.traffic_knobs)
     if space.split_fallback is not None:  # a pinned layout the stack's rule cannot split
-        ev = Evaluator(model, cluster, global_batch, seq_len, opts, mem=space.mem)
+        ev = _priced(Evaluator(model, cluster, global_batch, seq_len, opts, mem=space.mem),
+                     comm)
     result = search_and_explain(ev, space, top_k, explain)
     layouts = result.layouts  # the knobs' layouts, whichever search below answers
     if not result.plans and knobs.offload is None:
@@ -91,20 +92,20 @@ def search_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_
     elif knobs.offload is None and (cluster.gpu is not None
                                     or cluster.host_link_gb_per_s is not None):
         # a device with a host link to price (a catalogue GPU or a given link); a cluster of
-        # bare numbers (the nominal CPU figures `meshtron train` plans with on a CPU) has its
-        # "device" memory in the host already: offload is only a last resort there
+        # bare numbers has no link to price: offload is only a last resort there (and never
+        # on a CPU cluster: search_offload._kinds)
         result = offload_if_faster(ev, result, space, knobs, runtime, top_k)
     result.seconds = time.perf_counter() - t0
     result.framework = framework
     result.layouts = layouts
     result.split_fallback = space.split_fallback
-    return _with_comm(ev, result, comm)
+    return result
 
 
-def _split_comm(fixed: Any) -> tuple[Any, dict[str, Any]]:
+def split_comm(fixed: Any) -> tuple[Any, dict[str, Any]]:
     """(`fixed` without, the data-parallel traffic knobs: Plan.comm_knobs of a saved plan, or
-    the COMM_DEFAULTS keys of a dict). The search ranks layouts without them; `_with_comm`
-    prices its answers with them (Knobs carries none: they change no layout)."""
+    the COMM_DEFAULTS keys of a dict). Knobs carries none (they change no layout): the
+    Evaluator prices every config with them (`_priced`)."""
     if isinstance(fixed, Plan):
         return fixed, fixed.comm_knobs()
     if isinstance(fixed, dict) and any(k in COMM_DEFAULTS for k in fixed):
@@ -113,22 +114,18 @@ def _split_comm(fixed: Any) -> tuple[Any, dict[str, Any]]:
     return fixed, {}
 
 
-def _with_comm(ev: Evaluator, result: SearchResult, comm: dict[str, Any]) -> SearchResult:
-    """`result` with its plans (and priced near miss) evaluated with `comm` (gradient
-    compression, DiLoCo: planner/compression.py prices their traffic and state), as
-    `meshtron plan`'s compression note prices them (compression_advice.py). A plan the extra
-    state no longer fits becomes the priced near miss."""
-    if comm.get("grad_compression", "none") == "none" and not comm.get("diloco"):
-        return result  # only a block size, scope or outer settings: nothing to price
-    priced = [ev.evaluate(p.config.replace(**comm)) for p in result.plans]
-    result.plans = sorted((e for e in priced if e.fits), key=lambda e: e.step_time_s)
-    misses = [e for e in priced if not e.fits]
-    if result.near_miss_priced is not None:
-        result.near_miss_priced = ev.evaluate(result.near_miss_priced.config.replace(**comm),
-                                              exact_memory=False)
-    elif misses and not result.plans:
-        result.near_miss_priced = misses[0]
-    return result
+def _priced(ev: Evaluator, comm: dict[str, Any]) -> Evaluator:
+    """`ev` pricing every config with `comm` (gradient compression, DiLoCo: planner/
+    compression.py prices their traffic and state), as `meshtron plan`'s compression note
+    prices them (compression_advice.py). In the search, not after it: the search ranked the
+    layouts without them and priced its top k alone, so `plan --grad-compression int8 --top 1`
+    for llama3-8b on 8 H100 lost its one plan to the residuals' memory and said no layout was
+    valid, where --top 5 found one (audit s55). The search's lower bound (compute only, no
+    data-parallel traffic: estimate_stage.lower_bound_step) holds with them too. Only a
+    block size, scope or outer settings: nothing to price."""
+    if comm.get("grad_compression", "none") != "none" or comm.get("diloco"):
+        ev.traffic_knobs = dict(comm)
+    return ev
 
 
 def evaluate_plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
@@ -146,6 +143,6 @@ def evaluate_plan(model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq
     return est
 
 
-__all__ = ["SearchResult", "Alternative", "search_plans", "evaluate_plan", "family_of",
+__all__ = ["SearchResult", "Alternative", "search_plans", "evaluate_plan", "split_comm", "family_of",
            "loss_reason", "FAMILIES", "VIRTUAL_STAGES", "MIN_CP_TOKENS", "DEFAULT_DTYPE",
            "runs_ep", "selective_is_none"]

@@ -119,7 +119,7 @@ def _knob_losses(best: Estimate, ev: Evaluator, space: SearchSpace) -> list[Alte
         try:
             sub_space = SearchSpace(space.model, ev.cluster, ev.global_batch, ev.seq,
                                     Knobs.of(fixed), ev.opts, ev.mem, space.runtime,
-                                    space.framework)
+                                    space.framework, space.traffic)
             sub, _ = branch_and_bound(ev, sub_space, 1)
         except UserError:
             continue  # this knob value leaves nothing to run on the layout (e.g. too few layers)

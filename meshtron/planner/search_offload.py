@@ -32,7 +32,7 @@ def with_offload(ev: Evaluator, result: SearchResult, model: ModelSpec, cluster:
         k = dataclasses.replace(knobs, offload=off)
         try:
             space = SearchSpace(model, cluster, global_batch, seq_len, k, opts, ev.mem,
-                                runtime, framework)
+                                runtime, framework, ev.traffic_knobs)
             found = search_and_explain(ev, space, top_k, explain)
         except UserError:
             continue
@@ -60,7 +60,7 @@ def offload_if_faster(ev: Evaluator, result: SearchResult, space: SearchSpace, k
         k = dataclasses.replace(knobs, offload=off)
         try:
             sub = SearchSpace(ev.model, ev.cluster, ev.global_batch, ev.seq, k, ev.opts,
-                              ev.mem, runtime, space.framework)
+                              ev.mem, runtime, space.framework, ev.traffic_knobs)
             found = search_and_explain(ev, sub, top_k, False, cutoff=best.step_time_s)
         except UserError:  # the knobs leave no offloaded plan (e.g. a pipeline): nothing to add
             continue
@@ -90,7 +90,10 @@ def offload_if_faster(ev: Evaluator, result: SearchResult, space: SearchSpace, k
 def _kinds(ev: Evaluator, runtime: bool) -> tuple[str, ...]:
     """The host offload kinds to try: those the priced stack's code runs (its preset's
     MemoryOptions.host_offload, plan_rules_offload.STACK_OFFLOADS), and of meshtron's runtime
-    only 'full' ('optimizer' is planned only: plan.offload_runtime_problem)."""
+    only 'full' ('optimizer' is planned only: plan.offload_runtime_problem). None on a CPU
+    cluster: the ranks' memory is the host's, offload would copy the states to the same RAM."""
+    if ev.cluster.cpu:
+        return ()
     kinds = offload_kinds(ev.mem.host_offload)
     return tuple(k for k in kinds if k == "full") if runtime else kinds
 

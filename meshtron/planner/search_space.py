@@ -72,8 +72,12 @@ class SearchSpace(PinnedKnobs):
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, seq_len: int,
                  knobs: Knobs, opts: KernelOptions, mem: MemoryOptions | None = None,
-                 runtime: bool = True, framework: Any = None) -> None:
+                 runtime: bool = True, framework: Any = None,
+                 traffic: dict[str, Any] | None = None) -> None:
         k = knobs
+        # the data-parallel traffic knobs priced (Evaluator.traffic_knobs): a layout they
+        # cannot act on (dp=1 under gradient compression) is left out with their reason
+        self.traffic = dict(traffic or {})
         self.context = {"global_batch": global_batch, "seq_len": seq_len}
         self.notes: list[str] = []
         # meshtron's runtime limits apply when pricing meshtron (the default stack)
@@ -307,8 +311,9 @@ class SearchSpace(PinnedKnobs):
 
     def _layout_problems(self, knobs: dict[str, Any]) -> list[str]:
         """The validity function's reasons a layout (with the fixed knobs) cannot run here."""
-        return plan_problems(knobs, self.n, self.model, self.runtime, self.split, self.engine,
-                             ep_rule=self.ep_rule, layout_rule=self.mem.layouts)
+        return plan_problems({**knobs, **self.traffic}, self.n, self.model, self.runtime,
+                             self.split, self.engine, ep_rule=self.ep_rule,
+                             layout_rule=self.mem.layouts)
 
     def layouts(self):
         return iter(self._layouts)

@@ -420,10 +420,18 @@ def job_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = No
 
     elastic = elastic_from_args(args, args.nproc or nproc)
     nproc = resumed_nproc(args, resumed, nproc)
+    # restarts need torchrun's elastic agent, so they run the parallel path
+    request = parallel_request(args, cfg, args.plan or plan, nproc,
+                               force=ckpt.max_restarts > 0 or elastic is not None)
+    if not args.launched_rank and not getattr(args, "elastic_rank", None):
+        from meshtron.checkpoint.config import refuse_unread  # ranks get every flag restated
+        from meshtron.train.planning import requested_compression
+
+        typed = {k: getattr(args, k) for k in ("keep", "checkpoint_residuals", "mtbf_hours",
+                                                "preempt_grace")}
+        refuse_unread(typed, ckpt, requested_compression(request))
     return TrainJob(cfg=cfg,
-                    # restarts need torchrun's elastic agent, so they run the parallel path
-                    parallel=parallel_request(args, cfg, args.plan or plan, nproc,
-                                              force=ckpt.max_restarts > 0 or elastic is not None),
+                    parallel=request,
                     elastic=elastic,
                     overwrite=args.overwrite or overwrite, launched_rank=args.launched_rank,
                     watchdog_timeout_s=args.watchdog_timeout, recorder=not args.no_recorder,

@@ -365,6 +365,10 @@ def _side(plan, world: int) -> dict[str, Any]:
             "predicted_tokens_per_s": tokens / step_s if step_s else None}
 
 
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
 def replan_record(old_plan: dict[str, Any] | None, old_world: int, new_plan, new_world: int,
                   nodes: int, node_range: str, step: int, family: str) -> dict[str, Any] | None:
     """The decision as a metrics.jsonl event: None when the checkpoint's world size and layout
@@ -377,13 +381,13 @@ def replan_record(old_plan: dict[str, Any] | None, old_world: int, new_plan, new
     reasons = []
     if old_world != new_world:
         change = "lost" if new_world < old_world else "added"
-        reasons.append(f"world {old_world} -> {new_world} ranks ({change} ranks: {nodes} "
+        reasons.append(f"world {old_world} -> {_ranks(new_world)} ({change} ranks: {nodes} "
                        f"node(s) in the rendezvous, range {node_range})")
         if old is not None:
             reasons.append(f"the checkpoint's layout {old.layout()} needs {old.gpus} ranks")
     choice = ("the planner's best plan" if family == "auto"
               else f"the planner's best plan of the family {family}")
-    reasons.append(f"{choice} for {new_world} ranks")
+    reasons.append(f"{choice} for {_ranks(new_world)}")
     old_side = _side(old, old_world) if old is not None else {
         "world_size": old_world, "layout": "one process", "plan": None,
         "predicted_step_time_s": None, "predicted_tokens_per_s": None}

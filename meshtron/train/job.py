@@ -71,8 +71,18 @@ class TrainJob:
 
 def warn(job: TrainJob) -> None:
     """Print the run's valid-but-probably-unintended settings, once, before it starts."""
-    for text in job.cfg.warnings():
+    for text in [*job.cfg.warnings(), *job_warnings(job)]:
         print(f"meshtron train: warning: {text}", file=sys.stderr)
+
+
+def job_warnings(job: TrainJob) -> list[str]:
+    """The checkpoint settings' valid-but-probably-unintended combinations."""
+    ck = job.checkpoint
+    if ck.max_restarts > 0 and ck.every == 0 and not ck.snapshot_every and not ck.resume:
+        # audit s55: a restart then started over from step 0, said only after the failure
+        return [f"--max-restarts {ck.max_restarts} without --checkpoint-every: a restart "
+                "starts over from step 0 (no checkpoint to resume from)"]
+    return []
 
 
 def write_run_file(job: TrainJob, path: Path) -> None:

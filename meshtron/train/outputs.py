@@ -248,6 +248,9 @@ def _comm_words(summary: dict[str, Any]) -> str:
         return ""
     syncs = summary.get("diloco_syncs")
     what = "DiLoCo's outer all-reduce" if syncs is not None else "compressed reduction"
+    if syncs is None and summary.get("wire_codec") == "none":  # audit s55
+        what = ("not compressed: compress_scope='inter_node' and the data-parallel group is "
+                "inside one node")
     return (f"; {sent / 1e6:.3g} MB/step sent per rank ({what})"
             + (f", {syncs} DiLoCo syncs" if syncs is not None else ""))
 

@@ -169,7 +169,9 @@ class ParallelEngine:
         state = self.compress_state
         if state is None or steps <= 0:
             return {}
-        out: dict[str, Any] = {"wire_bytes_per_step": state.reducer.bytes_sent / steps}
+        out: dict[str, Any] = {"wire_bytes_per_step": state.reducer.bytes_sent / steps,
+                               # 'none' under compress_scope='inter_node' inside one node
+                               "wire_codec": state.reducer.codec.mode}
         if self.diloco is not None:
             out["diloco_syncs"] = self.diloco.syncs
         return out

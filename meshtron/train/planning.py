@@ -53,7 +53,10 @@ def choose_cluster(world_size: int, cluster: str | None, node, calibration: Path
     if calibration.is_file():
         record = measured_on(calibration)
         if applies(record, node):
-            return _noted(resolve_cluster(str(calibration)), f"{describe(record)} ({calibration})")
+            measured = resolve_cluster(str(calibration))
+            if node.kind == "cpu":  # a calibration written before `cpu = true` was recorded
+                measured = dataclasses.replace(measured, cpu=True)
+            return _noted(measured, f"{describe(record)} ({calibration})")
         ignored = f"; {calibration} is {describe(record)}, not this node's {node.name}: not used"
     if node.kind == "cuda":
         from meshtron.calibrate.device import detected_cluster
@@ -70,6 +73,19 @@ def choose_cluster(world_size: int, cluster: str | None, node, calibration: Path
 def is_plan_file(text: str | None) -> bool:
     """`--plan` names a saved plan (not 'auto' or a layout)."""
     return bool(text) and text != "auto" and (text.endswith(".toml") or Path(text).is_file())
+
+
+def requested_compression(request: ParallelRequest | None) -> str:
+    """The gradient compression a run will use: a saved plan's, else --grad-compression (or
+    the resumed run's, in `request.comm`); one process compresses nothing. The search never
+    chooses it (Knobs carries no traffic knob)."""
+    if request is None:
+        return "none"
+    if is_plan_file(request.plan):
+        from meshtron.planner.plan import load_plan
+
+        return load_plan(request.plan).grad_compression
+    return request.comm.get("grad_compression", "none")
 
 
 def local_world_size(request: ParallelRequest) -> int:
@@ -252,7 +268,8 @@ def _searched_plan(cfg: RunConfig, request: ParallelRequest, world_size: int, cl
             fixed.pop("fp8_recipe")
     # the run's clipping decides whether the optimizer step pays the norm and scale passes
     options = dataclasses.replace(preset("meshtron").kernel, grad_clip=cfg.optim.grad_clip > 0)
-    # the data-parallel traffic flags priced too (search.py `_with_comm`): plan.toml's
+    # the data-parallel traffic flags priced in the search (search.py `_priced`; top_k=1 kept
+    # only plans without them before, audit s55): plan.toml's
     # [predicted] is the compressed / DiLoCo plan the ranks run
     result = search_plans(cfg.model, sized, cfg.data.global_batch, cfg.data.seq_len,
                           {**fixed, **request.comm, "dtype": dtype}, top_k=1, explain=False,
