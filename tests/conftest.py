@@ -134,7 +134,8 @@ def resumed_launch(request, tmp_path_factory):
     for the test run, whichever xdist worker asks first (the others wait on a file lock):
     tests/test_train_outputs.py reads the resumed launch's closing line and summary.json,
     tests/test_doctor_timeline.py its timeline (two 1-rank launches each, ~13 CPU s, typed
-    the same in both files before). Read only."""
+    the same in both files before), tests/test_saved_plan_checks.py prices its plan.toml as
+    the debug preset's run. Read only."""
     import fcntl
 
     from testkit.cli_inproc import meshtron_main
