@@ -119,3 +119,42 @@ def int8_run(request, tmp_path_factory):
                 done.write_text("")
         return path
     return run
+
+
+RESUMED_LAUNCH = ["train", "--model", "debug", "--seq-len", "32", "--global-batch", "4",
+                  "--eval-every", "0", "--warmup-steps", "2", "--zero", "1"]
+"""A planned one-rank run (`--zero 1`: a torchrun launch of 1 rank, not the one-process path)."""
+
+
+@pytest.fixture(scope="session")
+def resumed_launch(request, tmp_path_factory):
+    """(run folder, what the resume printed): `meshtron train RESUMED_LAUNCH --steps 3
+    --checkpoint-every 3`, then the same with `--steps 6 --resume`, each through
+    `meshtron.cli.main` in the asking worker's process (testkit/cli_inproc.py), trained once
+    for the test run, whichever xdist worker asks first (the others wait on a file lock):
+    tests/test_train_outputs.py reads the resumed launch's closing line and summary.json,
+    tests/test_doctor_timeline.py its timeline (two 1-rank launches each, ~13 CPU s, typed
+    the same in both files before), tests/test_saved_plan_checks.py prices its plan.toml as
+    the debug preset's run. Read only."""
+    import fcntl
+
+    from testkit.cli_inproc import meshtron_main
+
+    root = _shared_dir(request.config, tmp_path_factory) / "resumed-launch"
+    root.mkdir(exist_ok=True)
+    run, said = root / "run", root / "resume.out"
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (root / "done").exists():
+            import shutil
+
+            shutil.rmtree(run, ignore_errors=True)  # a worker that failed half-way
+            rc, _, err = meshtron_main(*RESUMED_LAUNCH, "--run-dir", run, "--steps", "3",
+                                       "--checkpoint-every", "3")
+            assert rc == 0, err
+            rc, out, err = meshtron_main(*RESUMED_LAUNCH, "--run-dir", run, "--steps", "6",
+                                         "--resume")
+            assert rc == 0, err
+            said.write_text(out + err)
+            (root / "done").write_text("")
+    return run, said.read_text()

@@ -69,7 +69,8 @@ def test_doc_links_resolve_in_the_repository():
 # Flags the docs name that belong to other programs (the tool named beside them in the text).
 FOREIGN_FLAGS = {
     "--no-deps": "pip", "--ntasks-per-node": "srun", "--strict": "mkdocs",
-    "--durations": "pytest", "--no-loadscope-reorder": "pytest-xdist",
+    "--durations": "pytest", "--collect-only": "pytest", "--assert": "pytest",
+    "--no-loadscope-reorder": "pytest-xdist",
     **dict.fromkeys(("--nproc-per-node", "--rdzv-backend", "--shutdown-timeout"), "torchrun"),
     **dict.fromkeys(("--decoder-first", "--fp8-param-gather", "--recompute-method",
                      "--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap",

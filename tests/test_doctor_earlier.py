@@ -23,13 +23,17 @@ import sys
 import time
 from pathlib import Path
 
+from meshtron.checkpoint import store
 from meshtron.train import earlier
 from testkit.cli_inproc import meshtron_main
 from testkit.procs import rank_pids, records
 
 TRAIN = [sys.executable, "-m", "meshtron", "train", "--nproc", "2", "--plan", "dp=2",
          "--model", "debug", "--seq-len", "32", "--global-batch", "8", "--eval-every", "0",
-         "--steps", "200"]
+         "--warmup-steps", "200"]
+"""Every step of the run inside the learning-rate warm-up: its rate does not depend on
+train.steps, so the resume may end the run sooner than the killed launch would have
+(meshtron/checkpoint/extend.py) wherever the kill landed."""
 ONE_PROCESS = ["train", "--model", "debug", "--seq-len", "32", "--global-batch", "8",
                "--eval-every", "0", "--steps", "2"]
 """A one-process run, in this process (testkit/cli_inproc.py: no child's torch import)."""
@@ -42,7 +46,8 @@ def _doctor(*args: str) -> subprocess.CompletedProcess:
 
 
 def _kill_rank_1_after_first_checkpoint(run_dir: Path) -> None:
-    proc = subprocess.Popen([*TRAIN, "--checkpoint-every", "3", "--run-dir", str(run_dir)],
+    proc = subprocess.Popen([*TRAIN, "--steps", "200", "--checkpoint-every", "3", "--run-dir",
+                             str(run_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     deadline = time.monotonic() + 150
     while not ((run_dir / "checkpoints" / "step_00000003").is_dir()
@@ -61,9 +66,11 @@ def test_resume_keeps_the_killed_launch_for_doctor(tmp_path):
     before = _doctor(str(run_dir), "--json")
     assert before.returncode == 3, before.stdout + before.stderr
 
-    # the rest without a save every 3 steps (test time; the interval follows the command)
-    resumed = subprocess.run([*TRAIN, "--run-dir", str(run_dir), "--resume",
-                              "--checkpoint-every", "1000"],
+    # 3 steps after the checkpoint it continues from, without a save every 3 steps (test time:
+    # the 197 steps left of 200 cost ~13 CPU s on 2 ranks; the interval follows the command)
+    last = max(step for step, _ in store.committed(store.checkpoint_root(run_dir)))
+    resumed = subprocess.run([*TRAIN, "--steps", str(last + 3), "--run-dir", str(run_dir),
+                              "--resume", "--checkpoint-every", "1000"],
                              capture_output=True, text=True, env=ENV, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     kept = run_dir / "earlier" / "1"
@@ -74,6 +81,8 @@ def test_resume_keeps_the_killed_launch_for_doctor(tmp_path):
     new_hello = json.loads((run_dir / "trace" / "rank_1.hello.json").read_text())
     assert new_hello["pid"] != first_hello["pid"]
     resume = next(r for r in records(run_dir) if r.get("event") == "resume")
+    assert resume["resumed_from_step"] == last
+    assert [r["step"] for r in records(run_dir) if "loss" in r][-1] == last + 3
     assert json.loads((kept / "resumed.json").read_text()) == {
         "resumed_from_step": resume["resumed_from_step"]}
 

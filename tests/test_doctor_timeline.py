@@ -139,20 +139,13 @@ def test_a_receive_idles_until_the_peer_sends():
     assert r0["idle"] == 0.0 and r0["comm"] == pytest.approx(0.01)
 
 
-def test_a_resumed_launch_leaves_its_first_step_out(tmp_path):
+def test_a_resumed_launch_leaves_its_first_step_out(resumed_launch):
     """Audit s54: the timeline leaves the launch's start-up step out, but it dropped step 1
     only, so a resumed launch's first step (building the model and loading the checkpoint,
     seconds on a 0.1 s step) was timed as a steady one (`doctor --timeline` printed 4.2 s per
-    step for 0.8 s steps after a --resume)."""
-    from testkit.cli_inproc import meshtron_main
-
-    run = tmp_path / "r"
-    args = ["train", "--model", "debug", "--seq-len", "32", "--global-batch", "4",
-            "--eval-every", "0", "--warmup-steps", "2", "--zero", "1", "--run-dir", run]
-    rc, _, err = meshtron_main(*args, "--steps", "3", "--checkpoint-every", "3")
-    assert rc == 0, err
-    rc, _, err = meshtron_main(*args, "--steps", "6", "--resume")
-    assert rc == 0, err
+    step for 0.8 s steps after a --resume). The run: conftest.py `resumed_launch` (3 steps of
+    a planned 1-rank launch, resumed to 6; also read by test_train_outputs.py)."""
+    run, _ = resumed_launch
     doc = json.loads((run / "trace" / "timeline_rank_0.json").read_text())
     assert [s["step"] for s in doc["steps"]] == [5, 6], doc["steps"]
 

@@ -135,10 +135,13 @@ def test_resume_of_a_finished_run_keeps_its_results(tmp_path):
 def test_a_checkpoint_removed_while_read_is_chosen_again(tmp_path):
     from meshtron.checkpoint.export import load_checkpoint, read_newest
 
+    from testkit.cli_inproc import meshtron_main
+
     run = tmp_path / "rot"
-    made = _meshtron("train", "--model", "debug", *TINY, "--steps", "3", "--checkpoint-every",
-                     "1", "--run-dir", str(run))
-    assert made.returncode == 0, made.stderr[-2000:]
+    # one process, in this one (testkit/cli_inproc.py: no child's torch import, ~3.5 CPU s)
+    code, _, err = meshtron_main("train", "--model", "debug", *TINY, "--steps", "3",
+                                 "--checkpoint-every", "1", "--run-dir", run)
+    assert code == 0, err[-2000:]
     assert [s for s, _ in store.committed(run / "checkpoints")] == [3, 2, 1]
     tried = []
 

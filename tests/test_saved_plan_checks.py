@@ -129,12 +129,14 @@ def test_a_run_on_a_cluster_file_records_the_file_for_cost(tmp_path, monkeypatch
 
 
 def test_a_model_bearing_a_presets_name_but_not_its_shapes_is_not_priced_as_the_preset(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, resumed_launch):
     """Audit s54: a config.json in a folder named like a preset ('debug/config.json', as
     `--local-dir llama3-8b` makes) was named after the preset, so the run's plan.toml said
     model = "debug" and `cost --plan RUN/plan.toml` priced the preset, not the run's model (a
     step time the run never predicted); a preset with overrides in a run file the same. Such
-    a model is 'debug-custom'; the same shapes keep the preset's name."""
+    a model is 'debug-custom'; the same shapes keep the preset's name. The preset's run is
+    conftest.py `resumed_launch` (the debug preset at --zero 1, --seq-len 32, --global-batch
+    4, as the run here: the same plan and price; its own 1-rank launch here cost ~6 CPU s)."""
     import json
 
     from meshtron.config import model_from_value
@@ -148,18 +150,15 @@ def test_a_model_bearing_a_presets_name_but_not_its_shapes_is_not_priced_as_the_
     assert model_from_value({"preset": "debug", "layers": 3}).name == "debug-custom"
     assert model_from_value({"preset": "debug"}).name == "debug"
     assert model_from_value(PRESETS["debug"].to_dict()).name == "debug"
-    rc, _, err = meshtron_main("train", "--model", "debug", "--zero", "1", "--steps", "1",
-                               "--eval-every", "0", "--seq-len", "32", "--global-batch", "4",
-                               "--run-dir", "preset")
-    assert rc == 0, err
+    preset, _ = resumed_launch
+    assert 'model = "debug"' in (preset / "plan.toml").read_text()
     rc, _, err = meshtron_main("train", "--model", "debug/", "--zero", "1", "--steps", "1",
                                "--eval-every", "0", "--seq-len", "32", "--global-batch", "4",
                                "--run-dir", "run")
     assert rc == 0, err
     assert 'model = "debug-custom"' in (tmp_path / "run" / "plan.toml").read_text()
-    steps = {}
-    for run in ("preset", "run"):
-        steps[run] = _priced_as_predicted(f"{run}/plan.toml", tmp_path / run)
+    steps = {name: _priced_as_predicted(f"{run}/plan.toml", tmp_path / run)
+             for name, run in (("preset", preset), ("run", "run"))}
     assert steps["run"] != pytest.approx(steps["preset"], rel=1e-2)  # two models, two prices
 
 

@@ -112,25 +112,18 @@ def test_a_dry_run_at_lr_0_is_not_warned_about_its_warm_up(tmp_path, capsys):
     assert "never reaches optim.lr=0.001" in err, err
 
 
-def test_a_resumed_launch_compares_its_own_steps_with_its_plan(tmp_path):
+def test_a_resumed_launch_compares_its_own_steps_with_its_plan(resumed_launch):
     """Audit s54: after `--resume` (possibly on another --plan) the closing line's "step time
     (median of steady steps) X s vs planner Y s" and summary.json's measured_step_time_s took
     the median over every attempt's steps, earlier layouts' included, against this launch's
     plan. Now the launch's own steady steps (the resumed one's first step is warm-up);
-    step_time_s still spans the run's steps 1..N."""
-    from testkit.cli_inproc import meshtron_main
-
-    run = tmp_path / "r"
-    args = ["train", "--model", "debug", "--seq-len", "32", "--global-batch", "4",
-            "--eval-every", "0", "--warmup-steps", "2", "--zero", "1", "--run-dir", run]
-    rc, _, err = meshtron_main(*args, "--steps", "3", "--checkpoint-every", "3")
-    assert rc == 0, err
-    rc, out, err = meshtron_main(*args, "--steps", "6", "--resume")
-    assert rc == 0, err
+    step_time_s still spans the run's steps 1..N. The run: conftest.py `resumed_launch`
+    (3 steps of a planned 1-rank launch, resumed to 6; also read by test_doctor_timeline.py)."""
+    run, said = resumed_launch
     seconds = {r["step"]: r["step_time_s"] for r in _records(run) if "step" in r}
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from_step"] == 3
     own = statistics.median([seconds[5], seconds[6]])
     assert summary["measured_step_time_s"] == own
     assert summary["step_time_s"] == statistics.median([seconds[s] for s in (2, 3, 5, 6)])
-    assert f"step time (median of steady steps) {own:.3f} s vs planner" in out + err
+    assert f"step time (median of steady steps) {own:.3f} s vs planner" in said
