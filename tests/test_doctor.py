@@ -442,3 +442,21 @@ def test_an_earlier_launch_is_not_judged_by_a_later_launchs_preemption(tmp_path)
                   metrics=[own, later])
     ending = preempted(trace)
     assert ending is not None and "checkpoint of step 12 (2.5 s after" in ending.verdict, ending
+
+
+def test_an_earlier_launch_reads_only_the_runs_preemptions(tmp_path):
+    """Review s55: RUN/earlier/N holds no metrics.jsonl, and since 8c3e4bd2 it read all of the
+    run's: later launches' steps (the straggler check's steady step times) and restarts (the
+    attempt a restart resumed from) too. It reads only the `preempted` records, which
+    endings.py matches to the launch by time."""
+    from meshtron.diagnose.trace import _metrics
+
+    run = tmp_path / "run"
+    (run / "earlier" / "1").mkdir(parents=True)
+    records = [{"step": 30, "loss": 3.1, "step_time_s": 0.5},
+               {"event": "restart", "attempt": 1, "resumed_from_step": 20, "time": 900.0},
+               {"event": "preempted", "checkpoint_step": 21, "seconds_after_signal": 1.0,
+                "time": 800.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert _metrics(run / "earlier" / "1") == [records[2]]
+    assert _metrics(run) == records  # the run itself: everything
