@@ -297,3 +297,22 @@ def test_compressed_plans_are_searched_with_their_residuals_not_after(capsys):
     rc, out, err = meshtron_main(*args[:-1], "--layout", "dp=8", "--zero", "1", "--top", "1")
     assert rc == 0, err
     assert "predicted not to fit" in out and "to fit: zero=" in " ".join(out.split()), out
+
+
+def test_a_traffic_knob_the_fixed_knobs_refuse_is_answered_with_its_rule():
+    """Audit s55 review: once every config was priced with the traffic knobs, a point they
+    could not act on was dropped silently (Evaluator.evaluate), so `plan --diloco 16 --zero 3`
+    answered with the reasons of other points ('1 micro-batches per step, the search's
+    schedule interleaved needs...') instead of DiLoCo's rule, which the search used to raise.
+    The search space now refuses such points with their rule (SearchSpace._traffic_problem)."""
+    from testkit.cli_inproc import meshtron_main
+
+    args = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:2", "--global-batch", "64",
+            "--seq-len", "4096", "--top", "1", "--diloco", "16"]
+    rc, out, err = meshtron_main(*args, "--zero", "3")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, out + err
+    assert "plan.diloco=16 with plan.zero=3: the replicas are the dp_replicate axis" in err, err
+    rc, out, err = meshtron_main(*args, "--zero", "3", "--dp-replicate", "2", "--json")
+    assert rc == 0, err  # the rule's remedy plans
+    best = json.loads(out)["plans"][0]
+    assert (best["zero"], best["dp_replicate"]) == (3, 2), best

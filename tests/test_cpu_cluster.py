@@ -94,3 +94,35 @@ def test_train_plans_a_cpu_node_on_its_memory_share_calibrated_or_not(tmp_path):
                                                     "gpu": None}))
     calibrated = choose_cluster(4, None, cpu, old).cluster
     assert calibrated.name == "local-4" and calibrated.cpu and calibrated.memory_gib == 5.5
+
+
+def test_the_machines_memory_is_its_control_groups_limit_where_lower(tmp_path):
+    """Review s55: a container run with a memory limit (or a Slurm job's cgroup) saw the
+    host's physical memory (os.sysconf), so nominal-cpu gave each rank a share the OOM killer
+    never allows. The limit of the process's control group or of an ancestor binds: cgroup v2's
+    memory.max and v1's memory.limit_in_bytes, read as the kernel writes them (files here)."""
+    from meshtron.planner.cluster import nominal_cpu_cluster
+    from meshtron.planner.machine_memory import (cgroup_limit_bytes, machine_memory_bytes,
+                                                 physical_bytes)
+
+    gib = 2**30
+    proc, sysfs = tmp_path / "cgroup", tmp_path / "sys"
+    proc.write_text("0::/user.slice/job_7\n")  # v2: the job's own limit
+    (sysfs / "user.slice" / "job_7").mkdir(parents=True)
+    (sysfs / "user.slice" / "job_7" / "memory.max").write_text(f"{2 * gib}\n")
+    (sysfs / "user.slice" / "memory.max").write_text("max\n")
+    assert cgroup_limit_bytes(proc, sysfs) == 2 * gib
+    assert machine_memory_bytes(proc, sysfs) == min(physical_bytes(), 2 * gib)
+    proc.write_text("5:cpu,cpuacct:/slurm/job_8\n4:memory:/slurm/job_8\n")  # v1, an ancestor
+    v1 = sysfs / "memory" / "slurm"
+    (v1 / "job_8").mkdir(parents=True)
+    (v1 / "job_8" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # none
+    (v1 / "memory.limit_in_bytes").write_text(f"{gib}\n")
+    assert cgroup_limit_bytes(proc, sysfs) == gib
+    share = machine_memory_bytes(proc, sysfs) / gib / 2
+    assert share == min(physical_bytes() / gib, 1.0) / 2
+    assert nominal_cpu_cluster(2, machine_memory_bytes(proc, sysfs) / gib).memory_gib == \
+        round(share, 2)
+    proc.write_text("0::/\n")  # no limit anywhere: the physical memory
+    assert machine_memory_bytes(proc, tmp_path / "none") == physical_bytes()
+    assert cgroup_limit_bytes(tmp_path / "absent", sysfs) is None  # not Linux

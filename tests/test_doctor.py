@@ -417,3 +417,46 @@ def test_bare_version_banners_belong_to_their_own_nodes_log(tmp_path):
     assert "NCCL versions: 2.20.3+cuda12.2 (a banner naming no process)" in out, out
     rc, out, _ = meshtron_main("doctor", "--nccl-log", a)  # one node, one banner: its own
     assert "NCCL versions: 2.21.5+cuda12.4 (1 process)" in out, out
+
+
+def test_an_earlier_launch_is_not_judged_by_a_later_launchs_preemption(tmp_path):
+    """Review s55: since `doctor --earlier N` reads the run's metrics.jsonl (8c3e4bd2), a
+    launch every rank of which dumped for another reason (here an exception on both) took the
+    `preempted` record of a later launch (signalled 100 s after it ended) as its own and read
+    'preempted'. A record is this launch's when its signal (its time less
+    seconds_after_signal) falls within the launch's dumps; its own still counts."""
+    from meshtron.diagnose.endings import preempted
+    from meshtron.diagnose.trace import Trace
+
+    later = {"event": "preempted", "checkpoint_step": 40, "seconds_after_signal": 2.0,
+             "grace_s": 30.0, "time": 1102.0}
+    crashed = {r: {"time": 1000.0 + r, "reason": "exception: RuntimeError", "step": 12}
+               for r in (0, 1)}
+    trace = Trace(run_dir=tmp_path, world_size=2, dumps=crashed, hellos={}, abort=None,
+                  metrics=[{"step": 12, "loss": 3.0}, later])
+    assert preempted(trace) is None
+    own = {"event": "preempted", "checkpoint_step": 12, "seconds_after_signal": 2.5,
+           "grace_s": 30.0, "time": 1003.0}
+    signalled = {r: {"time": 1000.0 + 0.2 * r, "reason": "SIGTERM", "step": 12} for r in (0, 1)}
+    trace = Trace(run_dir=tmp_path, world_size=2, dumps=signalled, hellos={}, abort=None,
+                  metrics=[own, later])
+    ending = preempted(trace)
+    assert ending is not None and "checkpoint of step 12 (2.5 s after" in ending.verdict, ending
+
+
+def test_an_earlier_launch_reads_only_the_runs_preemptions(tmp_path):
+    """Review s55: RUN/earlier/N holds no metrics.jsonl, and since 8c3e4bd2 it read all of the
+    run's: later launches' steps (the straggler check's steady step times) and restarts (the
+    attempt a restart resumed from) too. It reads only the `preempted` records, which
+    endings.py matches to the launch by time."""
+    from meshtron.diagnose.trace import _metrics
+
+    run = tmp_path / "run"
+    (run / "earlier" / "1").mkdir(parents=True)
+    records = [{"step": 30, "loss": 3.1, "step_time_s": 0.5},
+               {"event": "restart", "attempt": 1, "resumed_from_step": 20, "time": 900.0},
+               {"event": "preempted", "checkpoint_step": 21, "seconds_after_signal": 1.0,
+                "time": 800.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert _metrics(run / "earlier" / "1") == [records[2]]
+    assert _metrics(run) == records  # the run itself: everything

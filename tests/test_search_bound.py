@@ -197,14 +197,31 @@ def test_search_answers_as_without_pruning_with_the_pipelined_chunked_loss(globa
     _same_answers(model_preset("llama3-8b"), global_batch, fixed)
 
 
-def _same_answers(model: ModelSpec, global_batch: int, fixed: dict) -> None:
-    cluster = preset_cluster("dgx-h100", 1)
+@pytest.mark.parametrize("traffic", [
+    {"grad_compression": "int8"}, {"grad_compression": "bf16", "compress_scope": "inter_node"},
+    {"diloco": 16}])
+def test_search_answers_as_without_pruning_with_every_config_priced_compressed(traffic):
+    """Since e221d407 every config is priced with the traffic knobs (Evaluator.traffic_knobs):
+    their traffic, codec and residuals come on top of what the bound bounds (compute only), so
+    the bounded search still answers as the exhaustive one, on two nodes (the codec on the
+    wire) and, for the scope priced uncompressed inside a node, on one (review s55)."""
+    model = ModelSpec(name="bnb", layers=13, hidden=2048, heads=16, kv_heads=4,
+                      ffn_hidden=5632, vocab=32000, max_seq=4096)
+    for nodes in (1, 2):
+        best = _same_answers(model, 64, {"tp": 2}, traffic, nodes).plans[0].config
+        assert {k: getattr(best, k) for k in traffic} == traffic, best  # priced with them
+
+
+def _same_answers(model: ModelSpec, global_batch: int, fixed: dict,
+                  traffic: dict | None = None, nodes: int = 1):
+    cluster = preset_cluster("dgx-h100", nodes)
     fw = frameworks.preset("meshtron")
     out = []
     for cls in (Evaluator, _Unbounded):
         ev = cls(model, cluster, global_batch, 4096, fw.kernel, mem=fw.memory)
+        ev.traffic_knobs = dict(traffic or {})
         space = SearchSpace(model, cluster, global_batch, 4096, Knobs.of(fixed), fw.kernel,
-                            ev.mem, True, fw)
+                            ev.mem, True, fw, traffic)
         result, (best, _) = branch_and_bound(ev, space, 5)
         out.append((result, best))
     (bounded, fam), (full, fam_full) = out
@@ -212,3 +229,4 @@ def _same_answers(model: ModelSpec, global_batch: int, fixed: dict) -> None:
         (e.config, e.step_time_s) for e in full.plans]
     assert {f: e.config for f, e in fam.items()} == {f: e.config for f, e in fam_full.items()}
     assert bounded.plans and bounded.evaluated < full.evaluated
+    return bounded

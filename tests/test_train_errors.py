@@ -328,11 +328,39 @@ def test_the_memory_floor_reads_memavailable_not_the_total(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\n"
                        "MemAvailable:    5000000 kB\nBuffers:          100 kB\n")
-    got = device_memory(torch.device("cpu"), meminfo=meminfo)
+    no_cgroup = (tmp_path / "no-cgroup", tmp_path)  # this machine's own limit left out
+    got = device_memory(torch.device("cpu"), meminfo=meminfo, cgroup=no_cgroup)
     assert got.available == 5000000 * 1024 and got.source == f"available (MemAvailable, {meminfo})"
     assert got.total == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    none = device_memory(torch.device("cpu"), meminfo=tmp_path / "absent")  # not Linux
+    none = device_memory(torch.device("cpu"), meminfo=tmp_path / "absent",
+                         cgroup=no_cgroup)  # not Linux
     assert none.available == none.total and none.source == "physical (no MemAvailable)"
+
+
+def test_the_memory_floor_is_at_most_the_control_groups_limit(tmp_path):
+    """Review s55: in a container run with a memory limit (a Slurm job's cgroup) MemAvailable
+    is the host's: a one-process run the group cannot hold passed the floor and met the OOM
+    killer. The group's limit (cgroup v2's memory.max here) caps what is available, and the
+    refusal says which figure it read."""
+    import torch
+
+    from meshtron.config import config_from_dict
+    from meshtron.errors import UserError
+    from meshtron.train.local_memory import check_fits, device_memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    5000000 kB\n")
+    (tmp_path / "cgroup").write_text("0::/job\n")
+    (tmp_path / "sys" / "job").mkdir(parents=True)
+    (tmp_path / "sys" / "job" / "memory.max").write_text("1048576\n")  # 1 MiB
+    got = device_memory(torch.device("cpu"), meminfo=meminfo,
+                        cgroup=(tmp_path / "cgroup", tmp_path / "sys"))
+    assert got.available == 2**20, got
+    assert got.source == "allowed by this process's control group (its memory limit)"
+    cfg = config_from_dict({"model": "debug"})  # 125,632 parameters x 16 B: 1.9 MiB
+    with pytest.raises(UserError, match=r"more than this cpu's 0\.0 GiB allowed by this "
+                                        r"process's control group \(its memory limit\)"):
+        check_fits(cfg, torch.device("cpu"), got)
 
 
 def test_a_restart_before_any_logged_step_says_so(tmp_path):

@@ -355,7 +355,9 @@ def device_figures(device: torch.device, local_ranks: int, gpu=None) -> dict[str
     query API (`get_device_properties`; default `torch.cuda`), injectable so that the CUDA
     branch runs on a CPU machine."""
     if device.type != "cuda":
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        from meshtron.planner.machine_memory import machine_memory_bytes
+
+        total = machine_memory_bytes()  # physical, or a container's / Slurm job's limit
         return {"dtype": torch.float32, "memory_gib": total / local_ranks / 2**30, "gpu": None,
                 "device_name": device_name(device)}
     from meshtron.calibrate.device import catalogue_gpu

@@ -94,8 +94,13 @@ def _preempted_record(trace: Trace) -> dict[str, Any] | None:
                  if sigterm_dump(e)] + [d["time"] for d in trace.dumps.values()
                                         if sigterm_dump(d)]
     since = min(signalled, default=start) - 1.0
+    # and signalled no later than this launch's last dump: a launch a --resume kept reads the
+    # run's metrics.jsonl (trace._metrics), which holds later launches' records too; one whose
+    # ranks all dumped for another reason took a later preemption as its own (review s55)
+    last = max([d["time"] for d in trace.dumps.values()] + signalled) + 1.0
     found = [m for m in trace.metrics if m.get("event") == "preempted"
-             and m.get("time", 0) >= since]
+             and m.get("time", 0) >= since
+             and m.get("time", 0) - m.get("seconds_after_signal", 0.0) <= last]
     return found[0] if found else None  # the first since: a later launch's come after it
 
 

@@ -150,9 +150,9 @@ class _Reader:
         """The bare banners of the file being read (NCCL_DEBUG=VERSION/WARN prints it without
         NCCL's prefix, once per process that initialises NCCL)."""
         self.file_processes: set[str] = set()
+        """The processes the file being read has lines of."""
         self.banners: set[str] = set()
         """Every bare banner's version (a merged log's banners name no process)."""
-        """The processes the file being read has lines of."""
 
     def line(self, raw: str) -> None:
         if t := _TIMEOUT.search(raw):  # PyTorch's watchdog, behind its own prefixes

@@ -245,11 +245,13 @@ def _ranks_named(names) -> list[int]:
 
 def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     """RUN_DIR/metrics.jsonl's records; for a launch a --resume kept (RUN_DIR/earlier/N, which
-    holds no metrics of its own) the run's, whose records of that launch (its `preempted`
-    record: endings.py) the readers pick by time (audit s55: `doctor --earlier 1` of a
-    preempted launch said 'kind: none')."""
+    holds no metrics of its own) the run's `preempted` records, of which endings.py picks the
+    launch's by time (audit s55: `doctor --earlier 1` of a preempted launch said 'kind:
+    none'); not its steps or restarts, which may be later launches' (a straggler's steady
+    step times, the attempt a restart resumed: review s55)."""
     metrics = []
-    if not (run_dir / "metrics.jsonl").is_file() and run_dir.parent.name == "earlier":
+    kept = not (run_dir / "metrics.jsonl").is_file() and run_dir.parent.name == "earlier"
+    if kept:
         run_dir = run_dir.parent.parent
     if (run_dir / "metrics.jsonl").is_file():
         # a damaged log reads as far as it is JSON (not a UnicodeDecodeError traceback)
@@ -259,4 +261,6 @@ def _metrics(run_dir: Path) -> list[dict[str, Any]]:
                 metrics.append(json.loads(line))
             except ValueError:
                 break
+    if kept:  # only its preemption: the steps (no time) and restarts may be later launches'
+        metrics = [m for m in metrics if isinstance(m, dict) and m.get("event") == "preempted"]
     return metrics

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -481,8 +480,8 @@ def _positive(field: str, value: Any) -> None:
 # The figures `meshtron train` plans with on an uncalibrated CPU machine; reports then say
 # the prediction is nominal. Figures: one CPU core's fp32 GEMM rate and loopback gloo, the order
 # of magnitude `meshtron calibrate` measures on a 2-core VM (meshtron's own measurement). The
-# memory is not nominal: each rank gets its share of this machine's physical memory (as
-# calibrate's device_figures records it), and host offload is not offered (`cpu`).
+# memory is not nominal: each rank gets its share of this machine's memory (physical, or the
+# control group's limit where lower, as calibrate's device_figures records it), and host offload is not offered (`cpu`).
 NOMINAL_CPU = "nominal-cpu"
 NOMINAL_CPU_CLUSTER = {"name": NOMINAL_CPU, "peak_tflops": 0.05, "matmul_efficiency": 1.0,
                        "hbm_gb_per_s": 10.0, "intra_node_gb_per_s": 1.0,
@@ -492,8 +491,11 @@ NOMINAL_CPU_CLUSTER = {"name": NOMINAL_CPU, "peak_tflops": 0.05, "matmul_efficie
 
 
 def machine_memory_gib() -> float:
-    """This machine's physical memory, GiB (os.sysconf: no torch, no psutil)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    """This machine's memory, GiB: physical, or this process's control group's limit where
+    lower (a container's or a Slurm job's: machine_memory.py)."""
+    from meshtron.planner.machine_memory import machine_memory_bytes
+
+    return machine_memory_bytes() / 2**30
 
 
 def nominal_cpu_cluster(ranks: int, machine_gib: float | None = None) -> ClusterSpec:

@@ -35,23 +35,38 @@ OUTER_BYTES_PER_PARAM = 24.0
 """HBM bytes per parameter of DiLoCo's outer step (three fp32 reads, three fp32 writes)."""
 
 
-def extra_state_bytes(plan) -> float:
+def compresses(plan, group: comm.Group) -> bool:
+    """The codec runs on `group`'s reduction: bf16 or int8, except under
+    compress_scope='inter_node' on a group inside one node, where meshtron's Reducer sends
+    fp32 on every hop and keeps no residual (compress/collectives.py `Reducer`: Codec('none');
+    such a run ends 'not compressed', audit s55). Priced compressed, a one-node int8 plan of
+    that scope was faster than its bf16 twin and held a residual the run never allocates.
+    A plan's own `ranks_per_node` (nodes simulated on one machine) sets the runtime's nodes,
+    not the cluster's: such a plan is priced compressed, as before."""
+    return plan.grad_compression != "none" and not (
+        plan.compress_scope == "inter_node" and group.nodes <= 1
+        and getattr(plan, "ranks_per_node", None) is None)
+
+
+def extra_state_bytes(plan, compressed: bool = True) -> float:
     """Bytes per parameter a rank keeps for compression or DiLoCo, beyond the optimizer's:
     the fp32 error-feedback residual (whole local gradients: ZeRO-2/3's reduce-scatter input
-    is the unsharded unit), and DiLoCo's fp32 outer parameters and momentum (sharded like the
-    parameters inside a replica)."""
-    extra = 4.0 if plan.grad_compression != "none" else 0.0
+    is the unsharded unit; none where the codec does not run: `compressed`, `compresses`), and
+    DiLoCo's fp32 outer parameters and momentum (sharded like the parameters inside a
+    replica)."""
+    extra = 4.0 if plan.grad_compression != "none" and compressed else 0.0
     if plan.diloco > 0:
         shard = plan.dp_shard
         extra = (8.0 + extra) / shard
     return extra
 
 
-def with_state_bytes(plan, states: tuple[float, float, float]) -> tuple[float, float, float]:
+def with_state_bytes(plan, states: tuple[float, float, float],
+                     compressed: bool = True) -> tuple[float, float, float]:
     """memory.state_bytes' (weights, gradients, optimizer) with `extra_state_bytes` counted as
     optimizer state."""
     w, g, o = states
-    return w, g, o + extra_state_bytes(plan)
+    return w, g, o + extra_state_bytes(plan, compressed)
 
 
 def changes_dp(plan) -> bool:
@@ -78,6 +93,8 @@ def reduce_time(plan, params: float, group: comm.Group, fab: comm.Fabric, hbm: f
     codec's memory-bound work."""
     if group.size <= 1:
         return 0.0
+    if not compresses(plan, group):  # fp32 on the wire, no codec (and no plan compression)
+        return comm.all_reduce(gsize * params, group, fab)
     wire = wire_bytes(plan, gsize)
     if _hierarchical(plan, group):
         k = group.local
@@ -118,12 +135,13 @@ def dp_time(est: Any, plan, params: float, groups: dict[str, Any], m: int, fwd: 
         return inner + sync / plan.diloco
     group = groups["dp"]
     if plan.zero >= 2:
-        wire = wire_bytes(plan, gsize)
+        on = compresses(plan, group)
+        wire = wire_bytes(plan, gsize) if on else gsize
         rs_elems = params  # every unit's reduce-scatter input, each micro-batch
         reduces = 1 if flags["reduce_once"] else m
         return (est._dp_time(params, plan.zero, groups, m, fwd, bwd, layers, regather,
                              wire=wire, units=units, kept=kept, **flags)
-                + reduces * CODEC_BYTES_PER_ELEMENT * rs_elems / hbm)
+                + (reduces * CODEC_BYTES_PER_ELEMENT * rs_elems / hbm if on else 0.0))
     # compress/runtime.py: one flat fp32 bucket per model part, compressed on the wire
     t = reduce_time(plan, params, group, fab, hbm, 4.0)
     if plan.zero == 1:

@@ -25,6 +25,16 @@ class StageMemories:
     (estimate_walks.MemoryWalks) and `half` (estimate_half.HalfRecompute) reprice ranks
     through `_stage_memories`."""
 
+    def _codec_runs(self, cfg) -> bool:
+        """Whether the plan's gradient codec runs on its data-parallel reduction here
+        (compression.compresses: not under compress_scope='inter_node' inside one node);
+        DiLoCo's residual is its outer all-reduce's, over dp_replicate."""
+        if not compression.changes_dp(cfg) or cfg.dp * cfg.cp <= 1:
+            return True
+        groups = self._groups(cfg)
+        group = groups.get("dp_replicate", groups["dp"]) if cfg.diloco else groups["dp"]
+        return compression.compresses(cfg, group)
+
     def _states(self, w: Work) -> None:
         """Parameters per tensor rank (w.p_layer, p_emb, p_head, largest, p_exp) and the bytes
         per parameter of their states kept on the device and moved to the host, dense
@@ -36,7 +46,8 @@ class StageMemories:
                                                                    mem_opts.framework,
                                                                    cfg.etp)
         full_states = compression.with_state_bytes(
-            cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts, fsdp_zero1))
+            cfg, memory.state_bytes(zero, shard_dp, self.grad_bytes, mem_opts, fsdp_zero1),
+            self._codec_runs(cfg))
         if (fsdp_zero1 or mem_opts.grads_at_first_backward) and accum:
             # the sharded gradients of meshtron's ZeRO-1 appear unit by unit as the last
             # micro-batch's accumulated ones are reduced and freed (`accum` holds them); a

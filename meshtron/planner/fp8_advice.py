@@ -11,10 +11,17 @@ from typing import Any
 
 
 def _best_step(result, knobs: dict[str, Any], framework: Any, **changed) -> float | None:
+    """The best step time of the same search with `changed`; None when nothing fits or the
+    user's other knobs refuse the change (`--schedule zb` refuses compiled blocks: the note
+    must not turn a plan the user asked for into that refusal, audit s55)."""
+    from meshtron.errors import UserError
     from meshtron.planner.search import search_plans
 
-    found = search_plans(result.model, result.cluster, result.global_batch, result.seq_len,
-                         {**knobs, **changed}, top_k=1, explain=False, framework=framework)
+    try:
+        found = search_plans(result.model, result.cluster, result.global_batch, result.seq_len,
+                             {**knobs, **changed}, top_k=1, explain=False, framework=framework)
+    except UserError:
+        return None
     return found.best.step_time_s if found.fits else None
 
 

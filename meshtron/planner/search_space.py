@@ -208,7 +208,20 @@ class SearchSpace(PinnedKnobs):
         if ep > 1 and self.runtime and self._refused(next(iter(ep_runtime_problems(
                 {"ep": ep, "cp": cp, "zero": zero, "pp": pp, "recompute": rec})), None)):
             return None  # e.g. selective recomputation of gathered experts (plan_rules)
+        if self.traffic and self._refused(self._traffic_problem(cfg)):
+            return None  # e.g. DiLoCo with ZeRO-3 and no dp_replicate: its rule, kept
         return cfg
+
+    def _traffic_problem(self, cfg: Plan) -> str | None:
+        """Why the traffic knobs (gradient compression, DiLoCo) cannot act on this point, None
+        where they can: refused here with their rule's reason, which `plan --diloco 16 --zero 3`
+        then answers with, not with the reasons of the points left (Evaluator.evaluate's own
+        check drops such a point silently: audit s55 review)."""
+        try:
+            cfg.replace(**self.traffic)
+        except UserError as e:
+            return str(e)
+        return None
 
     def _refused(self, problem: str | None) -> bool:
         """Keep the validity function's reason for a point it refuses: when it refuses every

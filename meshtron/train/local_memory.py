@@ -41,10 +41,13 @@ class DeviceMemory:
     """How `available` was read, for the refusal's line."""
 
 
-def device_memory(device: torch.device, gpu=None, meminfo: Path = MEMINFO) -> DeviceMemory | None:
+def device_memory(device: torch.device, gpu=None, meminfo: Path = MEMINFO,
+                  cgroup: tuple[Path, Path] | None = None) -> DeviceMemory | None:
     """The memory available on `device`: a GPU's free memory (`gpu`: the CUDA device API,
     injectable), the host's MemAvailable for the CPU (its physical memory where /proc/meminfo
-    is not there: not Linux); None where unknown."""
+    is not there: not Linux), at most the limit of this process's control group (a
+    container's or a Slurm job's: MemAvailable is the host's; `cgroup`: the files
+    planner/machine_memory.py reads, injectable); None where unknown."""
     if device.type == "cuda":
         gpu = torch.cuda if gpu is None else gpu
         free, total = gpu.mem_get_info(device)
@@ -56,9 +59,18 @@ def device_memory(device: torch.device, gpu=None, meminfo: Path = MEMINFO) -> De
     except (ValueError, OSError, AttributeError):
         total = None
     available = _mem_available(meminfo)
+    found = None
     if available is not None:
-        return DeviceMemory(available, total, f"available (MemAvailable, {meminfo})")
-    return None if total is None else DeviceMemory(total, total, "physical (no MemAvailable)")
+        found = DeviceMemory(available, total, f"available (MemAvailable, {meminfo})")
+    elif total is not None:
+        found = DeviceMemory(total, total, "physical (no MemAvailable)")
+    from meshtron.planner.machine_memory import cgroup_limit_bytes
+
+    limit = cgroup_limit_bytes(*(cgroup or ()))
+    if limit is not None and (found is None or limit < found.available):
+        return DeviceMemory(limit, total,
+                            "allowed by this process's control group (its memory limit)")
+    return found
 
 
 def _mem_available(meminfo: Path) -> int | None:
