@@ -123,3 +123,25 @@ def test_compiled_tensor_parallel_block_saves_what_the_planner_counts(sp):
     planned = activation_bytes(spec, 2, sp, 1, SEQ, "none", KernelOptions(stack="compiled"),
                                mem)
     assert got[0] == got[1] == planned - rope_copy_bytes(spec, SEQ, mem, "compiled")
+
+
+@pytest.mark.parametrize("saved", [None, "alternate-matmul"])
+def test_compiled_selective_under_tensor_parallelism_keeps_eagers_list(saved):
+    """w2's output is left out of a compiled selective block at tp = 1, where it was measured
+    (test above); under tensor parallelism it was not measured (the tp = 2 graph keeps other
+    tensors than tp = 1's), so the planner keeps eager's list there: never an unmeasured
+    saving."""
+    from meshtron.model.spec import ModelSpec
+    from meshtron.planner.compute import KernelOptions
+    from meshtron.planner.memory_acts import activation_bytes
+    from meshtron.planner.memory_options import MemoryOptions
+
+    spec = ModelSpec(**SMALL)
+    mem = MemoryOptions(dtype="bf16", framework="fsdp2", activations=saved)
+
+    def planned(tp: int, stack: str) -> float:
+        return activation_bytes(spec, tp, True, 1, SEQ, "selective", KernelOptions(stack=stack),
+                                mem)
+
+    assert planned(2, "compiled") == planned(2, "eager")
+    assert planned(1, "compiled") == planned(1, "eager") - 2 * SEQ * spec.hidden

@@ -225,6 +225,10 @@ def activation_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq:
     if recompute == "full":
         return tokens * mem.compute_bytes * model.hidden / (tp if sp else 1) + RNG_STATE_BYTES
     cb = mem.compute_bytes
+    # w2's output dropped by a compiled selective policy: measured at tp = 1 only (a tensor-
+    # parallel block's partitioner kept other tensors than at tp = 1: memory_saved.py), so a
+    # tensor-parallel one keeps eager's list, on the safe side
+    compiled_selective = opts.stack == "compiled" and tp == 1
     if mem.saved == "korthikanti":
         per_token = _korthikanti(model, tp, sp, recompute, opts, seq, cb,
                                  te_fp8_inputs(opts, mem), mem)
@@ -233,9 +237,9 @@ def activation_bytes(model: ModelSpec, tp: int, sp: bool, micro_batch: int, seq:
         return (tokens * per_token + rope_copy_bytes(model, seq, mem, opts.stack)
                 + window_mask_bytes(model, seq, mem))
     elif mem.saved == "alternate-matmul":
-        per_token = _alternate_matmul(model, tp, sp, cb, opts.stack == "compiled")
+        per_token = _alternate_matmul(model, tp, sp, cb, compiled_selective)
     else:
-        per_token = _eager_selective(model, tp, sp, cb, opts.stack == "compiled")
+        per_token = _eager_selective(model, tp, sp, cb, compiled_selective)
     return tokens * per_token + (RNG_STATE_BYTES if mem.saved != "korthikanti" else 0.0)
 
 
