@@ -150,7 +150,8 @@ def test_a_resumed_launch_leaves_its_first_step_out(resumed_launch):
     assert [s["step"] for s in doc["steps"]] == [5, 6], doc["steps"]
 
 
-def test_a_launch_of_its_start_up_step_alone_says_why_no_steady_step(tmp_path):
+def test_a_launch_of_its_start_up_step_alone_says_why_no_steady_step(tmp_path,
+                                                                     resumed_launch):
     """Audit s54, finding 4: a launch whose only step is its first (step 1, or a resume's
     first) has only its start-up step in the timeline, whose seconds (model build, first
     allocations, the checkpoint load) `doctor --timeline` printed as the step time without a
@@ -174,7 +175,6 @@ def test_a_launch_of_its_start_up_step_alone_says_why_no_steady_step(tmp_path):
     assert len(notes) == 1 and notes[0].startswith(
         "only step 2 ran in this resumed launch: its time includes the start-up (building the "
         "model, the first allocations, loading the checkpoint it resumed from)"), notes
-    rc, _, err = meshtron_main(*args, "--steps", "4", "--resume")  # steady steps: nothing said
-    assert rc == 0, err
-    rc, out, err = meshtron_main("doctor", run, "--timeline", "--no-png", "--json")
+    # a resumed launch with steady steps (the shared 3 + 3 steps run): nothing said
+    rc, out, err = meshtron_main("doctor", resumed_launch[0], "--timeline", "--no-png", "--json")
     assert rc == 0 and json.loads(out)["notes"] == [], out
