@@ -175,13 +175,8 @@ def _node_cmd(run_dir: Path, nproc: int, port: int, extra: list[str]) -> list[st
                        "--rdzv-id", "elastic-default", *extra]
 
 
-def test_lost_node_continues_on_fewer_ranks(tmp_path):
-    """A 2-rank node is SIGKILLed after its step-4 checkpoint; the job started again on a
-    1-rank node re-plans (a record and a log line), reshards the checkpoint and trains the
-    rest at the data position of an uninterrupted run, with one process's losses. (4 -> 2
-    ranks over two simulated nodes: the slow test below.)"""
-    run = tmp_path / "run"
-    common = ["--steps", "12", "--checkpoint-every", "4", "--plan", "auto"]
+def _kill_a_two_rank_node_after_step_4(run, common: list[str], tmp_path) -> None:
+    """A 2-rank node of the elastic job, SIGKILLed once its step-4 checkpoint is written."""
     first = Node("two", [*BASE, "--run-dir", str(run), "--nnodes", "1:1", "--nproc", "2",
                          *common], free_port(), "elastic-default", True, tmp_path)
     try:
@@ -190,6 +185,16 @@ def test_lost_node_continues_on_fewer_ranks(tmp_path):
         first.kill9()
     finally:
         first.stop()
+
+
+def test_lost_node_continues_on_fewer_ranks(tmp_path):
+    """A 2-rank node is SIGKILLed after its step-4 checkpoint; the job started again on a
+    1-rank node re-plans (a record and a log line), reshards the checkpoint and trains the
+    rest at the data position of an uninterrupted run, with one process's losses. (4 -> 2
+    ranks over two simulated nodes: the slow test below.)"""
+    run = tmp_path / "run"
+    common = ["--steps", "12", "--checkpoint-every", "4", "--plan", "auto"]
+    _kill_a_two_rank_node_after_step_4(run, common, tmp_path)
     killed_at = max(steps(run))
     assert killed_at < 12, "the run ended before the kill"
     second = subprocess.run(_node_cmd(run, 1, free_port(), common),
@@ -233,14 +238,7 @@ def test_a_round_that_changes_a_kept_setting_is_named_as_typed(tmp_path):
     no --resume was typed (a round continues the job's checkpoint by itself)."""
     run = tmp_path / "run"
     common = ["--steps", "12", "--checkpoint-every", "4", "--plan", "auto"]
-    first = Node("two", [*BASE, "--run-dir", str(run), "--nnodes", "1:1", "--nproc", "2",
-                         *common], free_port(), "elastic-default", True, tmp_path)
-    try:
-        wait_for(lambda: (run / "checkpoints" / "step_00000004").is_dir(), 240, [first],
-                 "the step-4 checkpoint")
-        first.kill9()
-    finally:
-        first.stop()
+    _kill_a_two_rank_node_after_step_4(run, common, tmp_path)
     changed = subprocess.run(_node_cmd(run, 1, free_port(), [*common, "--lr", "0.001"]),
                              capture_output=True, text=True, timeout=300)
     assert changed.returncode != 0, changed.stderr[-3000:]
