@@ -14,7 +14,6 @@ memory (torch.cuda.mem_get_info, cudaMemGetInfo); the line says which.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,8 +53,10 @@ def device_memory(device: torch.device, gpu=None, meminfo: Path = MEMINFO,
         return DeviceMemory(int(free), int(total), "free (torch.cuda.mem_get_info)")
     if device.type != "cpu":
         return None
+    from meshtron.planner.machine_memory import cgroup_limit_bytes, physical_bytes
+
     try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        total = physical_bytes()
     except (ValueError, OSError, AttributeError):
         total = None
     available = _mem_available(meminfo)
@@ -64,8 +65,6 @@ def device_memory(device: torch.device, gpu=None, meminfo: Path = MEMINFO,
         found = DeviceMemory(available, total, f"available (MemAvailable, {meminfo})")
     elif total is not None:
         found = DeviceMemory(total, total, "physical (no MemAvailable)")
-    from meshtron.planner.machine_memory import cgroup_limit_bytes
-
     limit = cgroup_limit_bytes(*(cgroup or ()))
     if limit is not None and (found is None or limit < found.available):
         return DeviceMemory(limit, total,
