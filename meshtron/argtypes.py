@@ -79,6 +79,16 @@ def existing_file(path: str | Path, field: str) -> Path:
     return path
 
 
+def folder_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be read as a folder, in the words every folder reader uses ("does not
+    exist" / "is a file, not a folder"); None when it is one. A missing folder used to read
+    "not a folder" (session-55 audit: `merge --experts runs/typo`)."""
+    path = Path(path)
+    if path.is_dir():
+        return None
+    return "is a file, not a folder" if path.exists() else "does not exist"
+
+
 def read_text(path: str | Path, field: str) -> str:
     """The text of a file the user named: `existing_file`'s checks, then a file that is not
     UTF-8 text (a binary, a checkpoint shard) or cannot be read is one line naming `field`,

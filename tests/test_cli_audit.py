@@ -285,9 +285,9 @@ def test_init_from_a_run_folder_names_it_and_the_ways_on(tmp_path):
 
 
 @pytest.mark.parametrize("folder, needle", [
-    ("missing", "not a folder"),
+    ("missing", "does not exist"),
     ("empty", "holds no config.json"),
-    ("empty/weights.safetensors", "not a folder"),
+    ("empty/weights.safetensors", "is a file, not a folder"),
 ])
 def test_init_from_without_a_model_names_init_from(capsys, tmp_path, folder, needle):
     """Session-52 user audit: `meshtron train --init-from out/nothere --steps 3` (no --model:
@@ -304,7 +304,7 @@ def test_init_from_without_a_model_names_init_from(capsys, tmp_path, folder, nee
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("name, what", [("missing", "does not exist"), ("file", "is a file")])
+@pytest.mark.parametrize("name, what", [("missing", "does not exist"), ("file", "is a file, not a folder")])
 def test_export_of_a_folder_that_is_not_there_says_so(capsys, tmp_path, name, what):
     """Session-52 user audit: `meshtron export runs/nothere --to out/x` said "no run.toml or
     config.json (not a meshtron run folder)" about a folder that does not exist."""
@@ -360,3 +360,18 @@ def test_a_device_given_as_a_file_is_not_called_missing(capsys, flag):
     argv = dict(zip(TINY[::2], TINY[1::2]), **{flag: "/dev/null"})
     line = refused(capsys, "plan", *[x for kv in argv.items() for x in kv])
     assert "='/dev/null': not a regular file (a device, pipe or socket)" in line, line
+
+
+@pytest.mark.parametrize("name, what", [("typo", "does not exist"),
+                                        ("file", "is a file, not a folder")])
+def test_merge_of_a_folder_that_is_not_there_says_which(capsys, tmp_path, name, what):
+    """Session-55 audit: `meshtron merge --experts runs/typo ...` said "not a folder" about a
+    folder that does not exist (argtypes.folder_problem now words every folder reader's line)."""
+    from meshtron.cli import main
+
+    (tmp_path / "file").write_text("x")
+    path = str(tmp_path / name)
+    assert main(["merge", "--experts", path, path, "--to", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"merge --experts={path!r}: {what} (" in err, err
+    assert not (tmp_path / "out").exists()

@@ -150,7 +150,7 @@ def test_doctor_bad_input_is_one_line(tmp_path, capsys):
     assert main([*run, "--watchdog-timeout", "0.5"]) == 2
     assert main([*run, "--watchdog-timeout", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 4 and "not a folder" in err[0] and "no trace" in err[1], err
+    assert len(err) == 4 and "missing': does not exist" in err[0] and "no trace" in err[1], err
     assert "--watchdog-timeout=0.5: allowed a finite number of seconds >= 1" in err[2], err
     assert "argument --watchdog-timeout: '0'" in err[3], err
     assert not (tmp_path / "run").exists()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshtron.argtypes import folder_problem
 from meshtron.doctor import attempt_dirs
 from meshtron.doctor import dump as dumpfile
 from meshtron.errors import UserError
@@ -159,8 +160,8 @@ def load_attempts(run_dir: Path | str) -> list[Trace]:
 
 def _folders(run_dir: Path | str) -> tuple[Path, Path]:
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise UserError(f"RUN_DIR={str(run_dir)!r}: not a folder")
+    if (problem := folder_problem(run_dir)) is not None:
+        raise UserError(f"RUN_DIR={str(run_dir)!r}: {problem}")
     tdir = run_dir / "trace" if (run_dir / "trace").is_dir() else run_dir
     if tdir.name == "trace" and run_dir.name == "trace":
         run_dir = run_dir.parent

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from meshtron.argtypes import positive_int
+from meshtron.argtypes import folder_problem, positive_int
 from meshtron.errors import UserError
 
 def run_config(run_dir: Path, field: str = "export RUN_DIR"):
@@ -25,9 +25,8 @@ def run_config(run_dir: Path, field: str = "export RUN_DIR"):
 
     from meshtron.config import config_from_dict, load_toml
 
-    if not run_dir.is_dir():  # was "no run.toml or config.json" (session-52 user audit)
-        what = "is a file" if run_dir.exists() else "does not exist"
-        raise UserError(f"{field}={str(run_dir)!r}: {what}; give a meshtron run folder")
+    if (problem := folder_problem(run_dir)) is not None:  # was "no run.toml or config.json"
+        raise UserError(f"{field}={str(run_dir)!r}: {problem}; give a meshtron run folder")
     if (run_dir / "run.toml").is_file():
         return config_from_dict(load_toml(run_dir / "run.toml", field))
     path = run_dir / "config.json"

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from meshtron.argtypes import folder_problem
 from meshtron.errors import UserError
 from meshtron.hf.names import Source, check_supported, hf_shapes, is_ignorable, sources
 from meshtron.model.spec import ModelSpec
@@ -68,8 +69,8 @@ class Checkpoint:
         self.field = field
         """The option or field that named the folder, for errors."""
         self.folder = Path(folder)
-        if not self.folder.is_dir():
-            raise UserError(f"{self.field}={str(folder)!r}: not a folder (a Hugging Face "
+        if (problem := folder_problem(self.folder)) is not None:
+            raise UserError(f"{self.field}={str(folder)!r}: {problem} (a Hugging Face "
                             "checkpoint folder holds config.json and *.safetensors)")
         self.files: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshtron.argtypes import folder_problem
 from meshtron.errors import UserError
 from meshtron.model.spec import ModelSpec
 
@@ -83,8 +84,8 @@ def describe(path: str | Path) -> Branch:
     """Read a branch's configuration (not its weights); UserError naming the folder when it is
     neither a run folder with a checkpoint nor exported weights."""
     folder = Path(path)
-    if not folder.is_dir():
-        raise UserError(f"{FIELD}={str(path)!r}: not a folder (give a run folder with "
+    if (problem := folder_problem(folder)) is not None:
+        raise UserError(f"{FIELD}={str(path)!r}: {problem} (give a run folder with "
                         "checkpoints/ or an exported weights folder)")
     if (folder / "run.toml").is_file() or (folder / "checkpoints").is_dir():
         return dataclasses.replace(_describe_run(folder), given=str(path))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from meshtron.argtypes import literal_value, positive_float, positive_int
+from meshtron.argtypes import folder_problem, literal_value, positive_float, positive_int
 from meshtron.config import RunConfig, apply_overrides, config_from_dict, load_toml
 from meshtron.errors import UserError
 from meshtron.train.job import ParallelRequest, TrainJob
@@ -258,8 +258,8 @@ def _refuse_missing_folder(init_from: str) -> None:
     from pathlib import Path
 
     folder = Path(init_from)
-    if not folder.is_dir():
-        raise UserError(f"train.init_from={init_from!r}: not a folder (a Hugging Face "
+    if (problem := folder_problem(folder)) is not None:
+        raise UserError(f"train.init_from={init_from!r}: {problem} (a Hugging Face "
                         "checkpoint folder holds config.json and *.safetensors)")
     if not (folder / "config.json").is_file():
         raise UserError(f"train.init_from={init_from!r}: holds no config.json (the model its "
