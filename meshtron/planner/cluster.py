@@ -308,6 +308,12 @@ class ClusterSpec:
         return self.nodes * self.gpus_per_node
 
     @property
+    def device_word(self) -> str:
+        """One rank's device as the planner's lines name it: 'CPU rank' on a CPU machine (a
+        plan said "memory of the fullest GPU" about CPU ranks), else 'GPU'."""
+        return "CPU rank" if self.cpu else "GPU"
+
+    @property
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
 

@@ -78,6 +78,7 @@ and zero-bubble memory walks in estimate_walks.py, `half` on odd stages in estim
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from meshtron.errors import UserError
@@ -278,6 +279,8 @@ class Evaluator(StepTimes, StageCosts, CostPieces, DataParallelCost, LastRankMom
                                w.moments[worst] if w.moments else None,
                                *self._loose(w, b_exp), fixed=self._ep_buffers(w.ep),
                                buffers=w.buffers)
+        if self.cluster.cpu:
+            mem = dataclasses.replace(mem, device=self.cluster.device_word)
         if cfg.offload != "none" or cfg.offload_activations:
             mem = self._with_host(mem, cfg, w.host_gpu)
             fits = fits and mem.host_fits

@@ -112,6 +112,9 @@ class MemoryBreakdown:
     derived: float = 0.0
     """Of `params`: tensors derived from the spec (RoPE tables, rope_table_bytes) that no
     checkpoint or snapshot holds, GiB."""
+    device: str = "GPU"
+    """What one rank's memory is called in the lines the planner prints (ClusterSpec
+    `device_word`: 'CPU rank' on a CPU machine, where no GPU is involved)."""
 
     @property
     def host_fits(self) -> bool:

@@ -120,7 +120,7 @@ def breakdown_line(est: Estimate) -> str:
 
 def memory_line(est: Estimate) -> str:
     m = est.memory
-    return (f"memory of the fullest GPU (stage {m.stage}, {m.dtype}): {m.describe()} = "
+    return (f"memory of the fullest {m.device} (stage {m.stage}, {m.dtype}): {m.describe()} = "
             f"{m.total:.3g} of {m.capacity:g} GiB" + host_text(m))
 
 

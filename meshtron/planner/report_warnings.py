@@ -20,11 +20,11 @@ def need_text(est: Estimate, parts: bool = True, lean: Estimate | None = None) -
     if m.total <= m.capacity and not m.host_fits:
         return (f"needs {m.host:.1f} GiB of host memory per node > {m.host_capacity:.4g} GiB "
                 f"usable (offload={est.config.offload})")
-    text = (f"needs {m.total:.1f} GiB per GPU > {m.capacity:g} GiB"
+    text = (f"needs {m.total:.1f} GiB per {m.device} > {m.capacity:g} GiB"
             + (f" ({m.describe()})" if parts else ""))
     if lean is not None and lean.config == est.config and lean.memory.total < m.total - 0.05:
         text += (f"; at least {lean.memory.total:.1f} GiB on the layer split needing the "
-                 f"least ({layers_per_gpu(lean)} layers per GPU)")
+                 f"least ({layers_per_gpu(lean)} layers per {m.device})")
     return text
 
 
@@ -122,8 +122,8 @@ def render_no_fit(result: SearchResult, console) -> str:
                 f"{nm.config.describe()})")
     console.print(
         f"[bold red]Nothing fits.[/] The leanest plan, {nm.config.describe()}, needs "
-        f"{mem.total:.1f} GiB per GPU ({mem.describe()}) > {mem.capacity:g} GiB; "
+        f"{mem.total:.1f} GiB per {mem.device} ({mem.describe()}) > {mem.capacity:g} GiB; "
         f"it would run at {fmt_s(nm.step_time_s)} s per step if it fitted.")
     return (f"model={result.model.name}: fits on no layout of {result.cluster.name}; needs at "
-            f"least {mem.total:.1f} GiB per GPU > {mem.capacity:g} GiB (near miss: "
+            f"least {mem.total:.1f} GiB per {mem.device} > {mem.capacity:g} GiB (near miss: "
             f"{nm.config.describe()})")

@@ -37,7 +37,7 @@ def loss_reason(winner: Estimate, other: Estimate) -> str:
             return (f"needs {m.host:.1f} GiB of host memory per node > {m.host_capacity:.4g} "
                     f"GiB usable (offload={other.config.offload}; {other.config.describe()})")
         return (f"needs {other.memory.total:.1f} GiB > {other.memory.capacity:.0f} GiB "
-                f"per GPU (at its leanest: {other.config.describe()})")
+                f"per {m.device} (at its leanest: {other.config.describe()})")
     slower = other.step_time_s / winner.step_time_s - 1.0
     diffs = {k: getattr(other.time, k) - getattr(winner.time, k) for k in _CAUSES}
     cause = max(diffs, key=diffs.get)

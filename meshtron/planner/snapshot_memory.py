@@ -69,5 +69,6 @@ def snapshot_line(memory: Any, plan: Any = None) -> str:
     """The line `meshtron plan` prints under the best plan."""
     return (f"in-memory snapshots (train --snapshot-every): "
             f"{snapshot_host_gib(memory, plan):.3g} "
-            "GiB of host memory per GPU (own parameter + optimizer shard and a peer's copy, "
+            f"GiB of host memory per {memory.device} (own parameter + optimizer shard and a "
+            "peer's copy, "
             f"{SLOTS} generations)")
