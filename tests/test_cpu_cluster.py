@@ -59,6 +59,16 @@ def test_the_cpu_flag_is_what_withholds_offload(tmp_path):
                                  *PLAN)
     assert rc == 2 and "offload" not in out + err, out + err
     assert "fits on no layout of cpu" in err and len(err.splitlines()) == 1
+    assert "GiB per CPU rank >" in err and "GPU" not in err, err
+
+
+def test_a_cpu_plan_names_its_ranks_not_gpus():
+    """Session-55 finding: a plan on nominal-cpu said 'memory of the fullest GPU' and 'host
+    memory per GPU' about CPU ranks."""
+    rc, out, err = meshtron_main("plan", "--model", "debug", "--cluster", "nominal-cpu:2")
+    text = " ".join(out.split())
+    assert rc == 0 and "memory of the fullest CPU rank (stage 0" in text, out + err
+    assert "GiB of host memory per CPU rank" in text and "fullest GPU" not in text, out
 
 
 def test_train_refuses_a_model_the_machine_cannot_hold_before_any_rank(tmp_path):
