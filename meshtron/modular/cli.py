@@ -106,7 +106,9 @@ def _check_host_memory(spec, copies: int, inputs: list) -> None:
     the inputs were not counted)."""
     held = sum(b.spec.num_params() for b in inputs) + spec.num_params()
     need = held * BYTES_PER_PARAM
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    from meshtron.planner.machine_memory import machine_memory_bytes
+
+    total = machine_memory_bytes()  # the control group's limit where lower (a container)
     if need > total:
         what = f"--copies={copies}" if copies > 1 else f"--experts (x{len(inputs)})"
         raise UserError(f"merge {what}: {spec.moe_experts:,} experts make {spec.num_params():,} "
