@@ -6,7 +6,7 @@ bench/planner_published.py) is written out as files a user would write, and run 
     meshtron plan --model ROW.model.toml --cluster ROW.cluster.toml --global-batch B \\
         --seq-len S --framework NAME@ERA [--options ROW.options.toml] --layout tp=..,pp=..,dp=.. \\
         --zero Z --recompute R --sp on|off [--micro-batch M] [--schedule S] \\
-        [--dp-replicate N] [--pipeline-runs N] --dtype bf16 --json
+        --dp-replicate N [--pipeline-runs N] --dtype bf16 --json
 
 with the framework preset closest to the row's software (fewest differing options) and the
 remaining differences in an [options] table. Every knob the run fixed (micro-batch, virtual
@@ -125,8 +125,9 @@ def _args(run, d: Path) -> list[str] | None:
         if sched == "interleaved" and run.virtual_stages:
             sched = f"interleaved:{run.virtual_stages}"
         args += ["--schedule", sched]
-    if run.dp_replicate > 1:
-        args += ["--dp-replicate", str(run.dp_replicate)]
+    # the run's replicas, 1 included: a row without HSDP ran plain FSDP, which the search
+    # (SearchSpace.replicates) would otherwise be free to replace by node-aligned replicas
+    args += ["--dp-replicate", str(run.dp_replicate)]
     if run.pipeline_runs > 1:
         args += ["--pipeline-runs", str(run.pipeline_runs)]
     return args

@@ -307,12 +307,19 @@ def test_a_traffic_knob_the_fixed_knobs_refuse_is_answered_with_its_rule():
     The search space now refuses such points with their rule (SearchSpace._traffic_problem)."""
     from testkit.cli_inproc import meshtron_main
 
-    args = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:2", "--global-batch", "64",
-            "--seq-len", "4096", "--top", "1", "--diloco", "16"]
-    rc, out, err = meshtron_main(*args, "--zero", "3")
+    args = ["plan", "--model", "llama3-8b", "--global-batch", "64", "--seq-len", "4096",
+            "--top", "1", "--diloco", "16"]
+    # one node: no node-aligned replicas to search (SearchSpace.replicates), the rule answers
+    rc, out, err = meshtron_main(*args, "--cluster", "dgx-h100:1", "--zero", "3")
     assert rc == 2 and len(err.strip().splitlines()) == 1, out + err
     assert "plan.diloco=16 with plan.zero=3: the replicas are the dp_replicate axis" in err, err
-    rc, out, err = meshtron_main(*args, "--zero", "3", "--dp-replicate", "2", "--json")
+    rc, out, err = meshtron_main(*args, "--cluster", "dgx-h100:2", "--zero", "3",
+                                 "--dp-replicate", "2", "--json")
     assert rc == 0, err  # the rule's remedy plans
     best = json.loads(out)["plans"][0]
     assert (best["zero"], best["dp_replicate"]) == (3, 2), best
+    # two nodes: the search itself offers the remedy, one replica per node (HSDP)
+    rc, out, err = meshtron_main(*args, "--cluster", "dgx-h100:2", "--zero", "3", "--json")
+    assert rc == 0, err
+    best = json.loads(out)["plans"][0]
+    assert best["zero"] == 3 and best["dp_replicate"] * 8 == best["dp"] * best["tp"], best

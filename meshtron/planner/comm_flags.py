@@ -64,10 +64,10 @@ def requested(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def search_knobs(comm: dict[str, Any], knobs: dict[str, Any]) -> dict[str, Any]:
-    """Knobs for the planner's search: DiLoCo replicas step alone, so a searched plan keeps
-    ZeRO-0 (full replicas) unless the user fixed the stage (then the plan rules decide)."""
-    if comm.get("diloco") and "zero" not in knobs:
-        return {**knobs, "zero": 0}
+    """Knobs for the planner's search: as given. DiLoCo replicas step alone: the search keeps
+    its plans to ZeRO-0 (full replicas) and, where a stack on FSDP spans nodes, ZeRO-2/3 with
+    node-aligned replicas (HSDP: SearchSpace.zeros and replicates); a fixed stage or replica
+    count is the plan rules' to judge."""
     return knobs
 
 

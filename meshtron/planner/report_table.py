@@ -24,9 +24,11 @@ def _layout(est: Estimate) -> str:
     ep = f" ep{c.ep}" if c.ep > 1 else ""  # folded over dp: not a factor of the world size
     if getattr(c, "etp", None) is not None:  # Megatron-Core's folding over tp x cp x dp
         ep += f"/etp{c.etp}"
+    # HSDP: dp as replicas x shard group (dp_replicate x dp_shard)
+    dp = f"{c.dp_replicate}x{c.dp_shard}" if c.zero >= 2 and c.dp_replicate > 1 else f"{c.dp}"
     if c.cp > 1:  # the column reads tp/pp/dp; context parallelism joins tp as tp.cp
-        return f"{c.tp}x{c.cp}cp/{c.pp}/{c.dp}{ep}"
-    return f"{c.tp}/{c.pp}/{c.dp}{ep}"
+        return f"{c.tp}x{c.cp}cp/{c.pp}/{dp}{ep}"
+    return f"{c.tp}/{c.pp}/{dp}{ep}"
 
 
 def _table(result: SearchResult, tokens: float, wide: bool):
@@ -89,6 +91,9 @@ def table_notes(result: SearchResult) -> list[str]:
         out.append("Layout column tp/pp/dp: 'TxCcp' is tensor parallelism T times context "
                    "parallelism C (each sequence split over C ranks), e.g. 2x8cp/1/4 = tp=2, "
                    "cp=8, pp=1, dp=4")
+    if any(e.config.zero >= 2 and e.config.dp_replicate > 1 for e in result.plans):
+        out.append("Layout column: dp 'RxS' is HSDP, R replicas of an S-rank sharded group "
+                   "(dp_replicate=R), e.g. 2/1/2x4 = tp=2, pp=1, dp=8, dp_replicate=2")
     if any(e.config.ep > 1 for e in result.plans):
         out.append("Layout column: 'epE' is expert parallelism over E of the data ranks (not a "
                    "factor of the GPU count)"

@@ -138,10 +138,11 @@ def _enumerate(ev: Evaluator, space: SearchSpace,
                             if schedule_zero_problem(sched, zero, pp):
                                 space.tally(schedule_zero_problem(sched, zero, pp))
                                 continue  # the runtime refuses it (plan.py)
-                            cfg = space.point(tp, pp, dp, zero, mb, rec, sp, sched, v, cp, ep)
-                            if cfg is None:
-                                continue
-                            queue.append((ev.lower_bound_step(cfg), fam, cfg))
+                            for r in space.replicates(tp, cp, dp, zero, ep):
+                                cfg = space.point(tp, pp, dp, zero, mb, rec, sp, sched, v, cp,
+                                                  ep, r)
+                                if cfg is not None:
+                                    queue.append((ev.lower_bound_step(cfg), fam, cfg))
     return queue, hopeless, any_layout
 
 

@@ -98,6 +98,7 @@ class SearchSpace(PinnedKnobs):
                       if getattr(framework, "name", None) and getattr(framework, "era", None)
                       else None)
         self.n, self.model, self.global_batch = cluster.num_gpus, model, global_batch
+        self.gpus_per_node = cluster.gpus_per_node
         self._check_fixed(cluster.gpus_per_node)
         self.dtype = k.dtype or DEFAULT_DTYPE
         self.replicate = k.dp_replicate or 1
@@ -128,8 +129,8 @@ class SearchSpace(PinnedKnobs):
             # FSDP2's CPU offload does not run in a pipeline (plan.py offload_runtime_problem):
             # drop those layouts before their knobs are enumerated (`point` would refuse each)
             self._layouts = [lay for lay in self._layouts if lay[2] == 1]
-        if k.zero is None and k.schedule in (None, "zb") and any(p > 1 for _, _, p, _, _ in
-                                                                  self._layouts) \
+        if k.zero is None and k.schedule in (None, "zb") and any(
+                p > 1 and 3 in self.zeros(d * c, c, e, t, p) for t, c, p, d, e in self._layouts) \
                 and schedule_problem(self.engine, "zb", 2, 1) is None:  # its engine runs zb
             self.notes.append("schedule=zb with zero=3 left out: "
                               + schedule_zero_problem("zb", 3, 2).split(": ", 1)[1])
@@ -175,15 +176,16 @@ class SearchSpace(PinnedKnobs):
             and layout_problem(mem.layouts, recompute=r) is None]
 
     def point(self, tp: int, pp: int, dp: int, zero: int, mb: int, rec: str, sp: bool,
-              sched: str | None, v: int, cp: int, ep: int = 1) -> Plan | None:
+              sched: str | None, v: int, cp: int, ep: int = 1,
+              replicate: int | None = None) -> Plan | None:
         """The plan at these knobs, or None where the runtime does not run its host offload
         (plan.py `offload_runtime_problem`: ZeRO-2/3 and no pipeline for offload='full')."""
         if rec == "half" and self._refused(layout_problem(
                 self.mem.layouts, recompute=rec, stack=self.stack, chunk_layers=most_chunk_layers(
                     self.model.layers, pp, v))):
             return None  # the stack's partial recomputation counts per chunk (plan_rules_stack)
-        cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, self.dtype, self.replicate,
-                           cp, self.reduce_dtype, self.accumulate, ep, offload=self.offload)
+        cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, self.dtype,
+                           self.replicate if replicate is None else replicate, cp, self.reduce_dtype, self.accumulate, ep, offload=self.offload)
         if self.dtype == "fp8" and self.fp8_recipe != "rowwise":
             cfg = dataclasses.replace(cfg, fp8_recipe=self.fp8_recipe)
         if self.knobs.etp is not None:  # not searched: the user's (Megatron-Core's folding)
@@ -354,9 +356,41 @@ class SearchSpace(PinnedKnobs):
         """The ZeRO stages tried on a layout (`dp`: the data ranks, dp x cp): only those the
         priced stack runs on it (plan_rules_zero, MemoryOptions.zero_stages)."""
         rule = self.mem.zero_stages
-        return [z for z in self._zeros(dp, cp, ep)
-                if zero_limit(rule, z, dp, tp, pp, cp) is None
-                and layout_problem(self.mem.layouts, tp=tp, zero=z) is None]
+        zeros = [z for z in self._zeros(dp, cp, ep)
+                 if zero_limit(rule, z, dp, tp, pp, cp) is None
+                 and layout_problem(self.mem.layouts, tp=tp, zero=z) is None]
+        if self.traffic.get("diloco") and self.knobs.zero is None \
+                and self.knobs.dp_replicate is None:
+            # DiLoCo's replicas step alone: full replicas (ZeRO-0) or, where the search offers
+            # them, HSDP's node-aligned replicas of ZeRO-2/3 (plan_rules_fields: the replicas
+            # are the dp_replicate axis); the other stages would be refused point by point
+            zeros = [z for z in zeros if z == 0 or (
+                z >= 2 and self.replicates(tp, cp, dp // cp, z, ep) != [1])]
+        return zeros
+
+    def replicates(self, tp: int, cp: int, dp: int, zero: int, ep: int = 1) -> list[int]:
+        """dp_replicate values searched at this layout and ZeRO stage: the fixed one; else 1
+        and, where the data-parallel group of a ZeRO-2/3 plan spans nodes on a stack whose data
+        parallelism is FSDP, the node-aligned HSDP one: each replica's shard group is the
+        data-parallel ranks of one node (mesh order pp, dp_replicate, dp_shard, cp, tp), so
+        the weight gathers and gradient reduce-scatters stay inside it and only one gradient
+        all-reduce per step crosses nodes. FSDP2's `fully_shard` over a 2-D (replicate, shard)
+        mesh is HSDP (torch/distributed/fsdp/_fully_shard/_fully_shard.py); torchtitan
+        (data_parallel_replicate_degree), OLMo-core and meshtron's runtime build that mesh,
+        Composer its HYBRID_SHARD. Other node-crossing splits are priced when fixed, not
+        searched (a search policy, as tp > 1 of a mixture of experts)."""
+        if self.knobs.dp_replicate is not None:
+            return [self.replicate]
+        per_node = self.gpus_per_node // (tp * cp) if self.gpus_per_node % (tp * cp) == 0 else 0
+        compressed = self.traffic.get("grad_compression", "none") != "none"
+        if zero < 2 or self.mem.framework != "fsdp2" or per_node < 2 or dp <= per_node \
+                or dp % per_node or (compressed and not self.traffic.get("diloco")):
+            return [1]  # compression without DiLoCo: HSDP refused (FSDP2's own all-reduce)
+        r = dp // per_node
+        if ep_fold_problem(ep, self.knobs.etp, tp, dp, cp, r) is not None:
+            return [1]  # the experts fold over one replica's shard ranks (plan_rules)
+        # DiLoCo: its replicas are the dp_replicate axis (ZeRO-2/3 with one replica refused)
+        return [r] if self.traffic.get("diloco") else [1, r]
 
     def _zeros(self, dp: int, cp: int, ep: int) -> list[int]:
         if self.knobs.zero is not None:
