@@ -60,3 +60,42 @@ def test_replicas_searched_per_layout():
     assert s.replicates(tp=8, cp=1, dp=4, zero=3) == [1]  # one rank per node: nothing sharded
     assert s.replicates(tp=1, cp=1, dp=32, zero=1) == [1]  # HSDP shards: ZeRO-2/3 only
     assert space(dp_replicate=1).replicates(tp=1, cp=1, dp=32, zero=3) == [1]  # fixed
+
+
+def test_the_twins_floor_bounds_every_replica_split():
+    """search_bound skips an HSDP point on its one-replica twin's figures: the twin's step less
+    its data-parallel, optimizer and host-copy parts must not exceed the HSDP step, and the
+    twin's memory less its gathered buffers and workspace must not exceed the HSDP plan's (a
+    twin just over the memory can have an HSDP twin that fits: 78.90 vs 78.81 GiB, 8B tp2 pp2
+    dp8 ZeRO-2)."""
+    from meshtron.planner.cli import load_model
+    from meshtron.planner.cluster import preset_cluster
+    from meshtron.planner.estimate import Evaluator
+    from meshtron.planner.frameworks import preset
+    from meshtron.planner.plan import Plan
+    from meshtron.planner.search_bound import _replica_floor, _replicas_cannot_fit
+
+    fw = preset("meshtron")
+    checked = 0
+    for model, nodes, layouts in (("llama3-8b", 4, [(1, 1, 32), (2, 1, 16), (2, 2, 8)]),
+                                  ("llama3-70b", 4, [(4, 2, 4), (8, 2, 2), (2, 2, 8)])):
+        ev = Evaluator(load_model(model), preset_cluster("dgx-h100", nodes), 256, 8192,
+                       fw.kernel, mem=fw.memory)
+        for tp, pp, dp in layouts:
+            for zero in (2, 3):
+                for rec in ("none", "full"):
+                    sched = "1f1b" if pp > 1 else None
+                    twin = Plan(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=1, recompute=rec,
+                                sp=tp > 1, schedule=sched)
+                    r = dp * tp // 8  # one replica per node the stage's dp group spans
+                    assert r >= 2
+                    hsdp = Plan(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=1, recompute=rec,
+                                sp=tp > 1, schedule=sched, dp_replicate=r)
+                    a = ev.evaluate(twin, keep_infeasible=True, exact_memory=False)
+                    b = ev.evaluate(hsdp, keep_infeasible=True, exact_memory=False)
+                    assert b.step_time_s >= _replica_floor(a) - 1e-9, (twin, hsdp)
+                    mem = a.memory
+                    assert b.memory.total >= mem.total - mem.gathered - mem.workspace, (twin, hsdp)
+                    assert not _replicas_cannot_fit(a) or not b.fits, (twin, hsdp)
+                    checked += 1
+    assert checked == 24
