@@ -170,6 +170,22 @@ class _Unbounded(Evaluator):
     def lower_bound_step(self, cfg: Plan) -> float:
         return 0.0
 
+    def replica_floor(self, twin) -> float:  # nor its one-replica twin an HSDP point
+        return 0.0
+
+
+def test_search_answers_as_without_pruning_with_hsdp_points():
+    """Two nodes: every ZeRO-2/3 point whose data-parallel group spans both is also priced
+    with one replica per node (SearchSpace.replicates), pruned on its twin's figures
+    (Evaluator.replica_floor); the answers are the exhaustive search's."""
+    model = ModelSpec(name="bnb", layers=13, hidden=2048, heads=16, kv_heads=4,
+                      ffn_hidden=5632, vocab=32000, max_seq=4096)
+    cluster, fw = preset_cluster("dgx-h100", 2), frameworks.preset("meshtron")
+    space = SearchSpace(model, cluster, 64, 4096, Knobs.of({"tp": 2}), fw.kernel, fw.memory,
+                        True, fw)
+    assert space.replicates(tp=2, cp=1, dp=8, zero=3) == [1, 2]  # HSDP points in both searches
+    _same_answers(model, 64, {"tp": 2}, None, 2)
+
 
 @pytest.mark.parametrize("layers, fixed", [
     (13, {"tp": 1, "recompute": "half"}),  # odd layers: odd stages and chunks on every pp

@@ -240,6 +240,22 @@ class StageCosts:
         last = pipeline.head_rank(cfg.pp, cfg.virtual_stages, cfg.schedule)
         return p + (p_head if stage == last else 0.0)
 
+    def replica_floor(self, twin: Any) -> float:
+        """A lower bound of the step of the one-replica `twin` estimate's plan with replicas
+        (HSDP; search_bound prunes on it), inf where that plan cannot fit. The step less the
+        parts the replicas change (`_stage_sync`: the data-parallel traffic, the optimizer's
+        shard, the host copies): compute, the tensor, context, expert and pipeline traffic and
+        the bubble depend on the layout's tp/pp/dp/cp/ep, not on how dp is split into replicas
+        (estimate_time.py `_times`), and every part is >= 0. Cannot fit: the twin exceeds the
+        memory by more than its gathered buffers and workspace; the replicas hold at least the
+        rest (larger shards: memory.state_bytes over dp/dp_replicate; activations and logits
+        do not depend on the split). Not simply 'the twin does not fit': buffers and stage
+        split can come out a little smaller (tests/test_planner_hsdp.py)."""
+        m, t = twin.memory, twin.time
+        if m.total - m.gathered - m.workspace > m.capacity:
+            return float("inf")
+        return twin.step_time_s - t.dp_comm - t.optimizer - t.offload
+
     def lower_bound_step(self, cfg: Plan) -> float:
         """A cheap lower bound of the step time: m micro-batches of the busiest rank of the
         split that makes it least busy (`busiest_rank_floor`), no bubble, no pipeline or

@@ -183,7 +183,7 @@ def _bound(ev: Evaluator, queue: list[tuple[float, str, Plan]], tally: _Tally,
         if cfg.dp_replicate > 1:
             floor = floors.get(_twin(cfg), 0.0)
             if floor == inf:
-                continue  # `_replicas_cannot_fit`
+                continue  # Evaluator.replica_floor: it cannot fit
             bound = max(bound, floor)
         if bound > kth and bound > fb_t:
             continue
@@ -194,7 +194,7 @@ def _bound(ev: Evaluator, queue: list[tuple[float, str, Plan]], tally: _Tally,
         if est is None:
             continue
         if cfg.dp_replicate == 1 and cfg.zero >= 2:
-            floors[_twin(cfg)] = inf if _replicas_cannot_fit(est) else _replica_floor(est)
+            floors[_twin(cfg)] = ev.replica_floor(est)
         if est.fits:
             tally.add_fit(fam, est)
         else:
@@ -205,26 +205,6 @@ def _twin(cfg: Plan) -> tuple:
     """The knobs a plan shares with its HSDP variants (all but dp_replicate)."""
     return (cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.micro_batch, cfg.recompute, cfg.sp,
             cfg.schedule, cfg.virtual_stages, cfg.cp, cfg.ep)
-
-
-def _replicas_cannot_fit(est: Estimate) -> bool:
-    """The one-replica twin `est` exceeds the memory by more than its gathered buffers and
-    workspace: the replicas' plan holds at least the rest (its shards are larger:
-    memory.state_bytes over dp/dp_replicate; activations and logits do not depend on the
-    split), so it cannot fit either. Not simply 'the twin does not fit': the buffers and the
-    stage split can come out a little smaller (tests/test_planner_hsdp.py)."""
-    m = est.memory
-    return m.total - m.gathered - m.workspace > m.capacity
-
-
-def _replica_floor(est: Estimate) -> float:
-    """A lower bound of the step of `est`'s plan with replicas (HSDP): its step less the parts
-    the replicas change (estimate_stage `_stage_sync`: the data-parallel traffic, the
-    optimizer's shard, the host copies). Compute, the tensor, context, expert and pipeline
-    traffic and the bubble depend on the layout's tp/pp/dp/cp/ep, not on how dp is split
-    into replicas (estimate_time.py `_times`), and every part is >= 0."""
-    t = est.time
-    return est.step_time_s - t.dp_comm - t.optimizer - t.offload
 
 
 def _leanest(ev: Evaluator, space: SearchSpace, tp: int, cp: int, pp: int,
