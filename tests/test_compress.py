@@ -323,3 +323,20 @@ def test_a_traffic_knob_the_fixed_knobs_refuse_is_answered_with_its_rule():
     assert rc == 0, err
     best = json.loads(out)["plans"][0]
     assert best["zero"] == 3 and best["dp_replicate"] * 8 == best["dp"] * best["tp"], best
+
+
+def test_diloco_momentum_is_held_and_priced_only_when_used():
+    """Below the paper's H the outer step has no momentum (outer_settings): compress/diloco.py
+    allocates no buffer for it (4 B per local parameter, fp32) and the planner counts the
+    outer copy alone; with momentum both count it (memory.json's measured side: test_compress_
+    priced's DiLoCo run)."""
+    from meshtron.planner.compression import extra_state_bytes
+    from meshtron.planner.memory_compress import checkpoint_extra_per_param
+    from meshtron.planner.plan import Plan
+
+    plain, paper = Plan(dp=4, diloco=16), Plan(dp=4, diloco=16, outer_momentum=0.9)
+    assert extra_state_bytes(plain) == 4.0 and extra_state_bytes(paper) == 8.0
+    assert extra_state_bytes(Plan(dp=4, diloco=500)) == 8.0  # the paper's 0.9 from H = 500
+    assert checkpoint_extra_per_param(plain)[0] == 8.0  # + the mean residual
+    assert checkpoint_extra_per_param(paper) == (12.0, "4 the group's mean residual, 8 DiLoCo's "
+                                                       "outer copy and momentum")

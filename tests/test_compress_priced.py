@@ -85,7 +85,8 @@ def test_cost_and_simulate_price_the_plan_files_compression_and_diloco(tmp_path)
         steps[name] = _priced(tmp_path, name)
     dp = variants["int8.toml"][0].dp
     assert {name: steps[name][3] for name in steps} == {
-        "none.toml": 12, "hsdp.toml": 12, "int8.toml": 12 + 4 + 4 * dp, "diloco.toml": 12 + 12}
+        # DiLoCo at H = 16: its outer copy, no momentum (outer_settings), and the mean residual
+        "none.toml": 12, "hsdp.toml": 12, "int8.toml": 12 + 4 + 4 * dp, "diloco.toml": 12 + 8}
     for name, (_, noted) in variants.items():
         cost_s, sim_s, words, _ = steps[name]
         assert cost_s == pytest.approx(sim_s, rel=1e-9)
@@ -135,12 +136,12 @@ def test_plan_words_name_the_comm_fields():
 
 @pytest.mark.parametrize("zero, flags, per_param", [
     (2, (), 4.0),  # fp32 residual of the local gradients
-    (0, ("--diloco", "3"), 12.0),  # + theta, momentum
+    (0, ("--diloco", "3"), 8.0),  # + theta (no momentum below H = 500: outer_settings)
 ])
 def test_memory_json_counts_the_compression_state_on_both_sides(int8_run, zero, flags,
                                                                  per_param):
-    """memory.json's "compress" bytes: measured from the residual, outer-copy and momentum
-    tensors the ranks hold, predicted from the plan (planner/memory_compress.py), equal byte
+    """memory.json's "compress" bytes: measured from the residual, outer-copy and (none here)
+    momentum tensors the ranks hold, predicted from the plan (planner/memory_compress.py), equal byte
     for byte, about compression.extra_state_bytes per parameter (the codec's block padding
     aside), and counted in both totals. The runs are the session's 2-rank int8 runs
     (conftest.py int8_run: tests/test_compress_resume.py resumes copies of them)."""

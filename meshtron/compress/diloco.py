@@ -46,20 +46,9 @@ from meshtron.compress.quant import Codec
 from meshtron.compress.runtime import (_as_param_layout, _local, load_own_entries, own_entries,
                                        topology)
 from meshtron.compress.collectives import Reducer
+from meshtron.planner.compression import PAPER_H, outer_settings  # noqa: F401 (re-exported)
 
 PREFIX = "diloco."
-
-
-PAPER_H = 500
-"""The inner-step count the paper tuned outer lr 0.7 / Nesterov 0.9 for (Douillard et al. 2023)."""
-
-
-def outer_settings(plan) -> tuple[float, float]:
-    """(outer lr, outer momentum): the plan's, where it sets them, else chosen by H (module doc:
-    parameter averaging below the paper's H, the paper's values from there)."""
-    lr, momentum = (0.7, 0.9) if plan.diloco >= PAPER_H else (1.0, 0.0)
-    return (lr if plan.outer_lr is None else float(plan.outer_lr),
-            momentum if plan.outer_momentum is None else float(plan.outer_momentum))
 
 
 class DiLoCo:
@@ -83,7 +72,10 @@ class DiLoCo:
                       for n, p in part.named_parameters() if p.requires_grad]
         with torch.no_grad():
             self.global_params = [_local(p).detach().float().clone() for _, p in self.named]
-        self.momentum_bufs = [torch.zeros_like(g) for g in self.global_params]
+        # no buffer without momentum (the default below the paper's H): 4 B per local parameter
+        # of memory that the update never reads (planner/memory_compress.py counts the same)
+        self.momentum_bufs = [torch.zeros_like(g) if self.momentum > 0 else None
+                              for g in self.global_params]
         self.step = 0
         """Inner steps taken so far (a sync happens when it reaches a multiple of H)."""
         self.syncs = 0
@@ -129,13 +121,18 @@ class DiLoCo:
             t.copy_(g.to(t.dtype))
         self.syncs += 1
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What this outer loop keeps on the device: theta_global, and the momentum if any."""
+        return self.global_params + [b for b in self.momentum_bufs if b is not None]
+
     def release(self) -> None:
         """Destroy the hierarchical subgroups (before the mesh is released)."""
         self.reducer.topo.release()
 
     # ---- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """theta_global, momentum and mean residual per parameter, this rank's own residual,
+        """theta_global, momentum (with outer momentum > 0) and mean residual per parameter,
+        this rank's own residual,
         and the inner step count. A collective over the replicas (the residual's mean): every
         rank calls it."""
         out: dict[str, Any] = {PREFIX + "step": torch.tensor(self.step, dtype=torch.int64)}
@@ -148,7 +145,8 @@ class DiLoCo:
             r = residual[offset:offset + g.numel()].view_as(g).clone()
             offset += g.numel()
             out[f"{PREFIX}global.{name}"] = _as_param_layout(p, g)
-            out[f"{PREFIX}momentum.{name}"] = _as_param_layout(p, buf)
+            if buf is not None:  # plan.outer_momentum is kept on resume (resume_fields)
+                out[f"{PREFIX}momentum.{name}"] = _as_param_layout(p, buf)
             out[f"{PREFIX}residual.{name}"] = _as_param_layout(p, r)
         return out
 
@@ -161,7 +159,8 @@ class DiLoCo:
         pieces = []
         for (name, _), g, buf in zip(self.named, self.global_params, self.momentum_bufs):
             g.copy_(_local(state_dict[f"{PREFIX}global.{name}"]))
-            buf.copy_(_local(state_dict[f"{PREFIX}momentum.{name}"]))
+            if buf is not None:
+                buf.copy_(_local(state_dict[f"{PREFIX}momentum.{name}"]))
             pieces.append(_local(state_dict[f"{PREFIX}residual.{name}"]).reshape(-1).float())
         if not load_own_entries(self.reducer, self._buckets(), state_dict):
             self.reducer.load_mean_residual("outer", torch.cat(pieces), "all_reduce")

@@ -29,6 +29,20 @@ from typing import Any
 
 from meshtron.planner import comm
 
+
+PAPER_H = 500
+"""The inner-step count the paper tuned outer lr 0.7 / Nesterov 0.9 for (Douillard et al. 2023)."""
+
+
+def outer_settings(plan: Any) -> tuple[float, float]:
+    """DiLoCo's (outer lr, outer momentum): the plan's, where it sets them, else chosen by H
+    (compress/diloco.py module doc: parameter averaging below the paper's H, the paper's values
+    from there). Here, without torch, for the planner's memory (no momentum buffer at 0) and the
+    runtime alike."""
+    lr, momentum = (0.7, 0.9) if plan.diloco >= PAPER_H else (1.0, 0.0)
+    return (lr if plan.outer_lr is None else float(plan.outer_lr),
+            momentum if plan.outer_momentum is None else float(plan.outer_momentum))
+
 CODEC_BYTES_PER_ELEMENT = 35.0
 """HBM bytes per gradient element of quantize + error feedback + decode-and-sum (module doc)."""
 OUTER_BYTES_PER_PARAM = 24.0
@@ -52,12 +66,12 @@ def extra_state_bytes(plan, compressed: bool = True) -> float:
     """Bytes per parameter a rank keeps for compression or DiLoCo, beyond the optimizer's:
     the fp32 error-feedback residual (whole local gradients: ZeRO-2/3's reduce-scatter input
     is the unsharded unit; none where the codec does not run: `compressed`, `compresses`), and
-    DiLoCo's fp32 outer parameters and momentum (sharded like the parameters inside a
-    replica)."""
+    DiLoCo's fp32 outer parameters and, with outer momentum > 0, its momentum (sharded like the
+    parameters inside a replica; compress/diloco.py allocates no momentum at 0)."""
     extra = 4.0 if plan.grad_compression != "none" and compressed else 0.0
     if plan.diloco > 0:
-        shard = plan.dp_shard
-        extra = (8.0 + extra) / shard
+        outer = 4.0 * (1 + (outer_settings(plan)[1] > 0))
+        extra = (outer + extra) / plan.dp_shard
     return extra
 
 

@@ -3,7 +3,7 @@ the plan alone (no torch): memory.json's "compress" bytes, predicted as meshtron
 allocates them, so the run's measured bytes (ParallelEngine.memory_bytes) match byte for byte.
 
 What meshtron/compress/ holds per rank (the planner's per-parameter view of the same state is
-compression.extra_state_bytes: 4 B per element of error feedback, 8 B of DiLoCo):
+compression.extra_state_bytes: 4 B per element of error feedback, 4 or 8 B of DiLoCo):
 
 * error feedback (collectives.py `Reducer`, grad_compression bf16 or int8, a group of more than
   one rank whose reduction crosses nodes): one fp32 residual per bucket, the size of the
@@ -14,8 +14,9 @@ compression.extra_state_bytes: 4 B per element of error feedback, 8 B of DiLoCo)
   padded_len(S, block) for the unit's padded shard of S elements (`Reducer.reduce_scatter`);
   with compress_scope='inter_node' only the inter-node hop keeps one (nodes rows, of the
   1/per_node slice for an all-reduce);
-* DiLoCo (diloco.py `DiLoCo`): theta_global and the outer momentum, fp32 copies of the rank's
-  local parameters (8 B per element), and with compression the outer all-reduce's residual
+* DiLoCo (diloco.py `DiLoCo`): theta_global and, with outer momentum > 0 (the paper's 0.9 from
+  H = 500; none below), the momentum, fp32 copies of the rank's local parameters (4 or 8 B per
+  element), and with compression the outer all-reduce's residual
   over "dp_replicate" (one bucket of all local parameters).
 """
 
@@ -25,6 +26,7 @@ import math
 from typing import Any
 
 from meshtron.model.spec import ModelSpec
+from meshtron.planner.compression import outer_settings
 from meshtron.planner.memory_ranks import (FP32, FROZEN, _stage_ranges, local_shape,
                                            param_shapes, stages_of_rank)
 
@@ -115,8 +117,9 @@ def compress_bytes(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> list[int]
             for unit in _units([n for n, _ in shapes]):
                 elements += _residual(plan, _group(place, rank, "dp_shard"),
                                       sum(shard[i] for i in unit), "reduce_scatter")
-        if plan.diloco:
-            elements = 2 * total + _residual(plan, replicas, total, "all_reduce")
+        if plan.diloco:  # theta_global, and the outer momentum where it is > 0
+            copies = 1 + (outer_settings(plan)[1] > 0)
+            elements = copies * total + _residual(plan, replicas, total, "all_reduce")
         out.append(FP32 * elements)
     return out
 
@@ -167,8 +170,8 @@ def checkpoint_extra_per_param(plan: Any, ranks_per_node: int | None = None
     checkpoint of the whole job, beyond the model and AdamW's 12: DCP writes an entry that
     every data-parallel rank holds alike once, an entry under a rank's own key once per rank.
     The group's mean residual (4 B; saved by DiLoCo also uncompressed), DiLoCo's theta_global
-    and outer momentum (8 B), and every rank's own error-feedback residual (rank_entries.own_key:
-    4 B per parameter of its stage; with compress_scope='inter_node' across several ranks of a
+    and outer momentum (8 B; 4 without momentum), and every rank's own error-feedback residual
+    (rank_entries.own_key: 4 B per parameter of its stage; with compress_scope='inter_node' across several ranks of a
     node, 1/per_node of it: Reducer._geometry): 4 B x the ranks holding one per parameter, the
     data-parallel group's size (its nodes for the hierarchical split). What a resume needs to
     continue bit for bit (compress/runtime.py); `ranks_per_node`: the machines' node size when
@@ -185,9 +188,11 @@ def checkpoint_extra_per_param(plan: Any, ranks_per_node: int | None = None
     per_node, nodes, compressed = _topology(plan, members)
     holders = 0 if plan.grad_compression == "none" or not compressed else \
         nodes if per_node > 1 and nodes > 1 else len(members)
-    parts = ["4 the group's mean residual"] + (["8 DiLoCo's outer copy and momentum"]
-                                               if plan.diloco else [])
+    outer = 4.0 * (1 + (outer_settings(plan)[1] > 0)) if plan.diloco else 0.0
+    parts = ["4 the group's mean residual"] + (
+        [f"{outer:g} DiLoCo's outer copy" + (" and momentum" if outer > 4 else "")]
+        if plan.diloco else [])
     if holders:
         parts.append(f"{4 * holders} the own error-feedback residual of each of {holders} "
                      f"{'nodes' if holders == nodes and per_node > 1 else 'ranks'}")
-    return 4.0 + 8.0 * bool(plan.diloco) + 4.0 * holders, ", ".join(parts)
+    return 4.0 + outer + 4.0 * holders, ", ".join(parts)

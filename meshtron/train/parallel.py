@@ -202,7 +202,7 @@ class ParallelEngine:
             return 0
         held = list(state.reducer.residuals.values())
         if self.diloco is not None:
-            held += self.diloco.global_params + self.diloco.momentum_bufs
+            held += self.diloco.held_tensors()
         return sum(t.numel() * t.element_size() for t in held)
 
     def release(self) -> None:
