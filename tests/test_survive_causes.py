@@ -153,13 +153,9 @@ def test_full_disk_is_a_storage_error(tmp_path):
         subprocess.run(["umount", "-l", str(disk)])
 
 
-def test_preemption_with_restarts_requeues_without_a_restart(tmp_path):
-    """SIGTERM to rank 1 under --max-restarts: exit 75, no restart, the preemption recorded.
-    Rank 0 takes 3 s longer than rank 1 to finish the preemption (tests/checkpoint_faults): a
-    rank that stopped torchrun's agent as soon as it was done itself had the agent SIGTERM the
-    slower rank mid-record (the run then read as killed, the preemption not recorded; it was
-    a 3-in-8 flake under load before the delay made it certain)."""
-    run_dir = tmp_path / "run"
+def _preempt_rank_1_under_restarts(run_dir: Path) -> int:
+    """SIGTERM to rank 1 of a run under --max-restarts 1: exit 75, no restart, the preemption
+    recorded and judged `preempted` by the doctor; the step of its checkpoint."""
     proc = subprocess.Popen(
         [*TRAIN, "--steps", "400", "--run-dir", str(run_dir), "--checkpoint-every", "3",
          "--max-restarts", "1"],
@@ -179,18 +175,48 @@ def test_preemption_with_restarts_requeues_without_a_restart(tmp_path):
     code, doc = _doctor(run_dir)
     assert code == 0 and doc["kind"] == "preempted", doc
     assert f"every rank wrote the checkpoint of step {step} " in doc["verdict"], doc["verdict"]
-    # audit s55: once resumed, `doctor --earlier 1` judged the preempted launch 'kind: none'
-    # (its preempted record is in the run's metrics.jsonl, not in earlier/1)
-    resumed = subprocess.run([*TRAIN, "--run-dir", str(run_dir), "--resume", "--steps",
-                              str(step + 1)], capture_output=True, text=True, timeout=150,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return step
+
+
+def _earlier_1_is_preempted(run_dir: Path, step: int) -> None:
     earlier = subprocess.run([sys.executable, "-m", "meshtron", "doctor", str(run_dir),
                               "--earlier", "1", "--json"], capture_output=True, text=True,
                              timeout=60)
     doc = json.loads(earlier.stdout)
     assert earlier.returncode == 0 and doc["kind"] == "preempted", doc
     assert f"every rank wrote the checkpoint of step {step} " in doc["verdict"], doc["verdict"]
+
+
+def test_preemption_with_restarts_requeues_without_a_restart(tmp_path):
+    """SIGTERM to rank 1 under --max-restarts: exit 75, no restart, the preemption recorded.
+    Rank 0 takes 3 s longer than rank 1 to finish the preemption (tests/checkpoint_faults): a
+    rank that stopped torchrun's agent as soon as it was done itself had the agent SIGTERM the
+    slower rank mid-record (the run then read as killed, the preemption not recorded; it was
+    a 3-in-8 flake under load before the delay made it certain)."""
+    from meshtron.train import earlier
+
+    run_dir = tmp_path / "run"
+    step = _preempt_rank_1_under_restarts(run_dir)
+    # audit s55: once resumed, `doctor --earlier 1` judged the preempted launch 'kind: none'
+    # (its preempted record is in the run's metrics.jsonl, not in earlier/1). What a --resume
+    # does to the folder before its ranks start (train/earlier.py keep_or_clear, the
+    # launcher's call): the real resume is the slow test below (a second 2-rank launch)
+    earlier.keep_or_clear(run_dir, resume=True)
+    assert list(earlier.launches(run_dir)) == [1]
+    _earlier_1_is_preempted(run_dir, step)
+
+
+@pytest.mark.slow  # suite time (a second 2-rank launch): the test above reads the same folder
+# as the resume leaves it (earlier.keep_previous); a real --resume keeping a launch for
+# `doctor --earlier`: tests/test_doctor_earlier.py::test_resume_keeps_the_killed_launch_for_doctor
+def test_a_resumed_preemption_is_still_read_as_one_by_doctor_earlier(tmp_path):
+    run_dir = tmp_path / "run"
+    step = _preempt_rank_1_under_restarts(run_dir)
+    resumed = subprocess.run([*TRAIN, "--run-dir", str(run_dir), "--resume", "--steps",
+                              str(step + 1)], capture_output=True, text=True, timeout=150,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _earlier_1_is_preempted(run_dir, step)
 
 
 def test_sigterm_without_checkpoint_returns_what_it_says(tmp_path):
