@@ -121,6 +121,11 @@ def test_diloco_syncs_at_the_last_step_so_eval_and_export_hold_the_synced_model(
     assert weights
     for name in weights:
         assert (tmp_path / "h12_hf" / name).read_bytes() == (tmp_path / "h10_hf" / name).read_bytes()
+    # written by rank 0 of the 2 ranks, the export records its run and step (test_merge.py's
+    # merge of a run with its own export reads the same fields from a one-process run)
+    origin = json.loads((tmp_path / "h10_hf" / "export.json").read_text())
+    assert (origin["run"], origin["step"], origin["seed"]) == \
+        (str((tmp_path / "h10").resolve()), 4, 0), origin
     # one fp32 all-reduce of the 125,632 parameters (n-1)/n each way in 4 steps
     params = full["params"]
     assert full["wire_bytes_per_step"] == pytest.approx(4 * params / 4, rel=0.01)

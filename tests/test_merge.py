@@ -277,7 +277,9 @@ def test_damaged_input_is_one_line_naming_it(branches, tmp_path, capsys, how):
 def test_export_never_replaces_a_runs_record(branches, tmp_path, capsys):
     """`meshtron export RUN --to RUN` and `train --export` into its own run folder wrote the
     weights' config.json over the run's own: both refused in one line, nothing written; a
-    2-rank run's --export (written by rank 0) records the run and step too."""
+    run's --export records the run and step, and merging a run with its own export is
+    refused. (A 2-rank run's --export, written by rank 0, records them as well: tests/
+    test_compress_priced.py's DiLoCo runs; here one process, in this process: suite time.)"""
     run = tmp_path / "run"
     shutil.copytree(branches / "a", run)
     before = (run / "config.json").read_text()
@@ -289,8 +291,8 @@ def test_export_never_replaces_a_runs_record(branches, tmp_path, capsys):
                  "--export", str(fresh)]) == 2
     assert "train.export" in capsys.readouterr().err and not fresh.exists()
     two = tmp_path / "two"
-    _train("--model", "debug", "--nproc", "2", "--plan", "dp=2", "--steps", "2",
-           "--checkpoint-every", "2", "--run-dir", str(two), "--export", str(two / "weights"))
+    _train("--model", "debug", "--steps", "2", "--checkpoint-every", "2", "--run-dir",
+           str(two), "--export", str(two / "weights"))
     origin = json.loads((two / "weights" / "export.json").read_text())
     assert (origin["run"], origin["step"], origin["seed"]) == (str(two.resolve()), 2, 0)
     capsys.readouterr()

@@ -68,12 +68,17 @@ def test_train_runs_hsdp_from_the_plan_string_and_says_so(tmp_path):
 
 
 def test_a_plan_file_without_predicted_is_not_priced_never_nan(tmp_path):
+    """A planned launch of the plan's one rank (torchrun, the planned path's printing), in
+    this process (testkit/cli_inproc.py; suite time: was a 2-rank launch as a child, the same
+    lines)."""
     plan = tmp_path / "hand.toml"
-    plan.write_text('format = "meshtron-plan/2"\nmodel = "debug"\ngpus = 2\n'
-                    'global_batch = 8\nseq_len = 16\ntp = 1\npp = 1\ndp = 2\nzero = 1\n'
+    plan.write_text('format = "meshtron-plan/2"\nmodel = "debug"\ngpus = 1\n'
+                    'global_batch = 8\nseq_len = 16\ntp = 1\npp = 1\ndp = 1\nzero = 1\n'
                     'micro_batch = 4\n')
-    proc = meshtron("train", *SMALL, "--plan", plan, "--steps", "1",
-                    "--run-dir", tmp_path / "run")
-    assert proc.returncode == 0, proc.stderr
-    assert "nan" not in proc.stdout
-    assert "; not priced (the plan file has no predicted table);" in proc.stdout
+    from testkit.cli_inproc import meshtron_main as in_process
+
+    code, out, err = in_process("train", *SMALL, "--plan", plan, "--steps", "1",
+                                "--run-dir", tmp_path / "run")
+    assert code == 0, err
+    assert "nan" not in out
+    assert "; not priced (the plan file has no predicted table);" in out, out

@@ -75,27 +75,43 @@ def test_a_plan_saved_with_a_relative_model_path_is_read_from_another_folder(tmp
     assert rc == 2 and "model='cfg/copy.json': contradicts the plan p.toml" in err, err
 
 
-def test_a_run_folders_plan_of_a_config_json_model_is_priced(tmp_path, monkeypatch):
+CONFIG_JSON_TRAIN = ["train", "--zero", "1", "--eval-every", "0", "--seq-len", "32",
+                     "--global-batch", "4", "--run-dir", "run"]
+
+
+@pytest.fixture(scope="module")
+def config_json_run(tmp_path_factory):
+    """The folder of `meshtron train --model cfg/config.json CONFIG_JSON_TRAIN --steps 2
+    --checkpoint-every 2` (a planned 1-rank launch, in this process) beside its cfg/ and an
+    empty sub/: priced as it is by one test, resumed from a copy by another (one launch, not
+    one each; suite time). Read only."""
+    import json
+
+    from testkit.cli_inproc import meshtron_main
+
+    root = tmp_path_factory.mktemp("config-json")
+    (root / "cfg").mkdir()
+    (root / "cfg" / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    (root / "sub").mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        rc, _, err = meshtron_main(*CONFIG_JSON_TRAIN, "--model", "cfg/config.json", "--steps",
+                                   "2", "--checkpoint-every", "2")
+    assert rc == 0, err
+    return root
+
+
+def test_a_run_folders_plan_of_a_config_json_model_is_priced(config_json_run, monkeypatch):
     """Audit s54: a run's plan.toml names a Hugging Face config's model by the model's name
     ('cfg' for cfg/config.json, 'small' for cfg/small.json), which `cost --plan RUN/plan.toml`
     read as a preset or a folder ("the folder holds no config.json"; simulate and rehearse
     too), and `--model cfg/config.json` contradicted it. The run.toml beside the plan holds
     that model: priced as the run's."""
-    import json
-
     from testkit.cli_inproc import meshtron_main
 
-    (tmp_path / "cfg").mkdir()
-    (tmp_path / "cfg" / "config.json").write_text(json.dumps(SMALL_LLAMA))
-    monkeypatch.chdir(tmp_path)
-    rc, _, err = meshtron_main("train", "--model", "cfg/config.json", "--zero", "1", "--steps",
-                               "1", "--eval-every", "0", "--seq-len", "32", "--global-batch",
-                               "4", "--run-dir", "run")
-    assert rc == 0, err
-    assert 'model = "cfg"' in (tmp_path / "run" / "plan.toml").read_text()
-    (tmp_path / "sub").mkdir()
-    monkeypatch.chdir(tmp_path / "sub")  # where 'cfg' is no folder: the run's own model
-    _priced_as_predicted("../run/plan.toml", tmp_path / "run")
+    assert 'model = "cfg"' in (config_json_run / "run" / "plan.toml").read_text()
+    monkeypatch.chdir(config_json_run / "sub")  # where 'cfg' is no folder: the run's own model
+    _priced_as_predicted("../run/plan.toml", config_json_run / "run")
     rc, out, err = meshtron_main("simulate", "--step", "--plan", "../run/plan.toml")
     assert rc == 0 and "simulated" in out, err
 
@@ -179,7 +195,8 @@ def _priced_as_predicted(plan: str, run) -> float:
 
 
 def test_two_config_files_of_one_folder_are_two_names_and_an_old_run_resumes(tmp_path,
-                                                                            monkeypatch):
+                                                                            monkeypatch,
+                                                                            config_json_run):
     """Audit s54, finding 6: `--model cfg/a.json` and `--model cfg/b.json` were both named
     'cfg' (the folder) in every table, run.toml, plan.toml and done line; a config file not
     called config.json is named by its stem (model/hf_config.py `_folder_name`; a stem that
@@ -188,6 +205,7 @@ def test_two_config_files_of_one_folder_are_two_names_and_an_old_run_resumes(tmp
     from cfg/a.json (resume compares shapes, not names) and is 'a' from then on; its plan.toml
     is priced from a folder that holds a folder 'a'."""
     import json
+    import shutil
 
     from testkit.cli_inproc import meshtron_main
 
@@ -204,12 +222,11 @@ def test_two_config_files_of_one_folder_are_two_names_and_an_old_run_resumes(tmp
         assert rc == 0, err
         heads[name] = out.split(" (")[0]
     assert heads == {"a": "a", "b": "b", "debug": "debug-custom"}, heads
-    train = ["train", "--zero", "1", "--eval-every", "0", "--seq-len", "32", "--global-batch",
-             "4", "--run-dir", "run"]
-    rc, out, err = meshtron_main(*train, "--model", "cfg/config.json", "--steps", "2",
-                                 "--checkpoint-every", "2")
-    assert rc == 0 and 'model = "cfg"' in (tmp_path / "run" / "plan.toml").read_text(), err
-    rc, out, err = meshtron_main(*train, "--model", "cfg/a.json", "--steps", "3", "--resume")
+    # the module's run of cfg/config.json (the same shapes as cfg/a.json here), copied
+    shutil.copytree(config_json_run / "run", tmp_path / "run")
+    assert 'model = "cfg"' in (tmp_path / "run" / "plan.toml").read_text()
+    rc, out, err = meshtron_main(*CONFIG_JSON_TRAIN, "--model", "cfg/a.json", "--steps", "3",
+                                 "--resume")
     assert rc == 0, err
     assert "extending the run from train.steps=2 to 3" in err and "done: a (" in out, out + err
     assert 'model = "a"' in (tmp_path / "run" / "plan.toml").read_text()

@@ -14,7 +14,8 @@ a real file-system error (the user audit of session 44, /work/scratch_audit44a):
   because rank 1 did not answer.
 - SIGUSR1 to rank 1 (a dump on demand), then SIGKILL of it: `dead_rank` naming rank 1 (was
   `never_entered`: its dump predates the collectives it went on to take part in), also when
-  its files say it ran on another host (its process not visible to rank 0).
+  its files say it ran on another host (its process not visible to rank 0). By default from
+  the folder such a run left (tests/data/dump_then_killed); the live run is `slow`.
 `meshtron doctor` on each: `exception` (exit 3) naming the rank and the error, `preempted`
 (exit 0) with and without a committed checkpoint, `dead_rank` (exit 3) also after a dump.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,13 +155,9 @@ def test_full_disk_is_a_storage_error(tmp_path):
         subprocess.run(["umount", "-l", str(disk)])
 
 
-def test_preemption_with_restarts_requeues_without_a_restart(tmp_path):
-    """SIGTERM to rank 1 under --max-restarts: exit 75, no restart, the preemption recorded.
-    Rank 0 takes 3 s longer than rank 1 to finish the preemption (tests/checkpoint_faults): a
-    rank that stopped torchrun's agent as soon as it was done itself had the agent SIGTERM the
-    slower rank mid-record (the run then read as killed, the preemption not recorded; it was
-    a 3-in-8 flake under load before the delay made it certain)."""
-    run_dir = tmp_path / "run"
+def _preempt_rank_1_under_restarts(run_dir: Path) -> int:
+    """SIGTERM to rank 1 of a run under --max-restarts 1: exit 75, no restart, the preemption
+    recorded and judged `preempted` by the doctor; the step of its checkpoint."""
     proc = subprocess.Popen(
         [*TRAIN, "--steps", "400", "--run-dir", str(run_dir), "--checkpoint-every", "3",
          "--max-restarts", "1"],
@@ -179,18 +177,48 @@ def test_preemption_with_restarts_requeues_without_a_restart(tmp_path):
     code, doc = _doctor(run_dir)
     assert code == 0 and doc["kind"] == "preempted", doc
     assert f"every rank wrote the checkpoint of step {step} " in doc["verdict"], doc["verdict"]
-    # audit s55: once resumed, `doctor --earlier 1` judged the preempted launch 'kind: none'
-    # (its preempted record is in the run's metrics.jsonl, not in earlier/1)
-    resumed = subprocess.run([*TRAIN, "--run-dir", str(run_dir), "--resume", "--steps",
-                              str(step + 1)], capture_output=True, text=True, timeout=150,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return step
+
+
+def _earlier_1_is_preempted(run_dir: Path, step: int) -> None:
     earlier = subprocess.run([sys.executable, "-m", "meshtron", "doctor", str(run_dir),
                               "--earlier", "1", "--json"], capture_output=True, text=True,
                              timeout=60)
     doc = json.loads(earlier.stdout)
     assert earlier.returncode == 0 and doc["kind"] == "preempted", doc
     assert f"every rank wrote the checkpoint of step {step} " in doc["verdict"], doc["verdict"]
+
+
+def test_preemption_with_restarts_requeues_without_a_restart(tmp_path):
+    """SIGTERM to rank 1 under --max-restarts: exit 75, no restart, the preemption recorded.
+    Rank 0 takes 3 s longer than rank 1 to finish the preemption (tests/checkpoint_faults): a
+    rank that stopped torchrun's agent as soon as it was done itself had the agent SIGTERM the
+    slower rank mid-record (the run then read as killed, the preemption not recorded; it was
+    a 3-in-8 flake under load before the delay made it certain)."""
+    from meshtron.train import earlier
+
+    run_dir = tmp_path / "run"
+    step = _preempt_rank_1_under_restarts(run_dir)
+    # audit s55: once resumed, `doctor --earlier 1` judged the preempted launch 'kind: none'
+    # (its preempted record is in the run's metrics.jsonl, not in earlier/1). What a --resume
+    # does to the folder before its ranks start (train/earlier.py keep_or_clear, the
+    # launcher's call): the real resume is the slow test below (a second 2-rank launch)
+    earlier.keep_or_clear(run_dir, resume=True)
+    assert list(earlier.launches(run_dir)) == [1]
+    _earlier_1_is_preempted(run_dir, step)
+
+
+@pytest.mark.slow  # suite time (a second 2-rank launch): the test above reads the same folder
+# as the resume leaves it (earlier.keep_previous); a real --resume keeping a launch for
+# `doctor --earlier`: tests/test_doctor_earlier.py::test_resume_keeps_the_killed_launch_for_doctor
+def test_a_resumed_preemption_is_still_read_as_one_by_doctor_earlier(tmp_path):
+    run_dir = tmp_path / "run"
+    step = _preempt_rank_1_under_restarts(run_dir)
+    resumed = subprocess.run([*TRAIN, "--run-dir", str(run_dir), "--resume", "--steps",
+                              str(step + 1)], capture_output=True, text=True, timeout=150,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _earlier_1_is_preempted(run_dir, step)
 
 
 def test_sigterm_without_checkpoint_returns_what_it_says(tmp_path):
@@ -285,12 +313,31 @@ def test_rank_killed_during_the_preemption_save_is_dead(tmp_path):
     assert doc["verdict"].startswith("rank 1 (dp=1) died after its SIGTERM dump at step "), doc
 
 
+DUMP_THEN_KILLED = Path(__file__).parent / "data" / "dump_then_killed"
+"""The run folder (trace/, attempts/, metrics and records; no checkpoint) that the slow live
+test below left, rank 0 having raised on the lost connection (so that both variants of the
+judgement run): `REGENERATE=1 .venv/bin/python -m pytest -m slow tests/test_survive_causes.py
+-k dump_on_demand_live` rewrites it."""
+
+
 def test_rank_killed_after_a_dump_on_demand_is_dead(tmp_path):
     """SIGUSR1 to rank 1 (a dump on demand, as doctor's no_dump verdict suggests), two more
-    steps, then SIGKILL of rank 1 mid-run: rank 0 raises gloo's 'Connection closed by peer' (or
-    is stopped by torchrun first).
-    The verdict names rank 1 and its signal, not rank 0's lost connection as what was raised,
-    nor rank 1 as never entering the collectives it took part in after its dump."""
+    steps, then SIGKILL of rank 1 mid-run: the doctor names rank 1 and its signal, not rank
+    0's lost connection as what was raised, nor rank 1 as never entering the collectives it
+    took part in after its dump. Read from the folder a real run left (DUMP_THEN_KILLED; the
+    live run is the slow test below: suite time, a 2-rank launch; a dump on demand of live
+    ranks is tests/test_doctor_restarts.py::test_no_dump_is_said_not_judged's, a SIGKILLed
+    rank named by the launcher and the doctor test_sigkilled_rank_is_named_with_its_signal's)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(DUMP_THEN_KILLED, run_dir)
+    seen = json.loads((run_dir / "trace" / "rank_0.json").read_text())
+    assert seen["reason"].startswith("exception"), seen["reason"]  # both variants below run
+    _judge_dump_then_kill(run_dir)
+
+
+@pytest.mark.slow  # a 2-rank launch: the test above judges the folder such a run left
+def test_rank_killed_after_a_dump_on_demand_is_dead_live(tmp_path):
+    """rank 0 raises gloo's 'Connection closed by peer' (or is stopped by torchrun first)."""
     run_dir = tmp_path / "run"
     proc = _start(run_dir)
     _wait(lambda: _last_step(run_dir) >= 1 and len(rank_pids(run_dir)) == 2, proc)
@@ -304,6 +351,16 @@ def test_rank_killed_after_a_dump_on_demand_is_dead(tmp_path):
     assert proc.returncode != 0, out[-3000:]
     assert "torchrun: rank 1" in out and "killed by SIGKILL" in out, out[-3000:]
     assert "closing signal" not in out and "failed (exitcode" not in out, out[-3000:]
+    reason = json.loads((run_dir / "trace" / "rank_0.json").read_text())["reason"]
+    if os.environ.get("REGENERATE") and reason.startswith("exception"):
+        shutil.rmtree(DUMP_THEN_KILLED, ignore_errors=True)
+        shutil.copytree(run_dir, DUMP_THEN_KILLED,
+                        ignore=shutil.ignore_patterns(".meshtron.lock"))  # the run's, stale
+    _judge_dump_then_kill(run_dir)
+
+
+def _judge_dump_then_kill(run_dir: Path) -> None:
+    dumped_at = json.loads((run_dir / "trace" / "rank_1.json").read_text())["step"]
     code, doc = _doctor(run_dir)
     assert code == 3 and doc["kind"] == "dead_rank" and doc["culprit_ranks"] == [1], doc
     # "(killed by SIGKILL)" when torchrun's agent logged rank 1's end first, else "(its

@@ -128,7 +128,18 @@ def test_saved_plan_sets_the_batch_and_refuses_contradictions(capsys, tmp_path):
               "data.global_batch=8")
 
 
-def test_torch_error_in_a_step_is_a_traceback_not_bad_input(tmp_path):
+@pytest.fixture(scope="module")
+def failed_on_two_ranks(tmp_path_factory):
+    """`meshtron train --nproc 2 --max-restarts 1` whose every attempt raises a torch error in
+    its first step (bad targets, tests/faults): read by the two tests below (one 2-rank
+    launch, not one each; suite time)."""
+    env = {"PYTHONPATH": os.pathsep.join([FAULTS, os.environ.get("PYTHONPATH", "")]),
+           "MESHTRON_TEST_BAD_TARGETS_AT": "1"}
+    return _meshtron("train", *RUN, "--nproc", "2", "--plan", "dp=2", "--max-restarts", "1",
+                     "--run-dir", str(tmp_path_factory.mktemp("failed") / "r"), env=env)
+
+
+def test_torch_error_in_a_step_is_a_traceback_not_bad_input(tmp_path, failed_on_two_ranks):
     env = {"PYTHONPATH": os.pathsep.join([FAULTS, os.environ.get("PYTHONPATH", "")]),
            "MESHTRON_TEST_BAD_TARGETS_AT": "2"}
     single = _meshtron("train", *RUN, "--run-dir", str(tmp_path / "one"), env=env)
@@ -136,14 +147,13 @@ def test_torch_error_in_a_step_is_a_traceback_not_bad_input(tmp_path):
     # the fused loss's gather of the target logit raises torch's own index error
     assert "Traceback" in single.stderr and "out of bounds" in single.stderr
     assert "error:" not in single.stderr  # not reported as bad input
-    ranks = _meshtron("train", *RUN, "--nproc", "2", "--plan", "dp=2",
-                      "--run-dir", str(tmp_path / "two"), env=env)
+    ranks = failed_on_two_ranks
     assert ranks.returncode not in (0, 2), ranks.stderr[-3000:]
     lines = ranks.stderr.splitlines()
     assert any(line.startswith("[rank 0] Traceback") or line.startswith("[rank 1] Traceback")
                for line in lines), ranks.stderr[-3000:]
     assert any("out of bounds" in line and line.startswith("[rank ") for line in lines)
-    # the run failed, not "the 2 ranks": torchrun stopped the one that did not raise
+    # the run failed, not "the 2 ranks" (one rank raising is enough: torchrun stops the other)
     assert "meshtron train: the run on 2 ranks failed (exit code 1); the lines above say " \
         "which rank failed and why" in ranks.stderr, ranks.stderr[-3000:]
 
@@ -363,14 +373,11 @@ def test_the_memory_floor_is_at_most_the_control_groups_limit(tmp_path):
         check_fits(cfg, torch.device("cpu"), got)
 
 
-def test_a_restart_before_any_logged_step_says_so(tmp_path):
+def test_a_restart_before_any_logged_step_says_so(failed_on_two_ranks):
     """Audit s55: a rank that failed before its first step under --max-restarts made the
     restart line read 'resumed from step 0, None logged step(s) lost'. The fault (bad targets
     in every attempt's first batch: torch raises in the step) fails both attempts."""
-    env = {"PYTHONPATH": os.pathsep.join([FAULTS, os.environ.get("PYTHONPATH", "")]),
-           "MESHTRON_TEST_BAD_TARGETS_AT": "1"}
-    ranks = _meshtron("train", *RUN, "--nproc", "2", "--plan", "dp=2", "--max-restarts", "1",
-                      "--run-dir", str(tmp_path / "r"), env=env)
+    ranks = failed_on_two_ranks
     assert ranks.returncode == 1, ranks.stderr[-3000:]
     # and said before the run: restarts without checkpoints start over (audit s55)
     assert ("meshtron train: warning: --max-restarts 1 without --checkpoint-every: a restart "
