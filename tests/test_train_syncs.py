@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from meshtron.cli import main
 from meshtron.model.moe import GroupedExperts
 from testkit.syncs import SyncDetector
@@ -36,6 +38,11 @@ PER_LOG_POINT = Counter({("Tensor.tolist", "meshtron/train/loop.py:read_values")
                          ("float(tensor)", "meshtron/train/loop.py:evaluate"): 1})
 
 
+# Slow (suite time, session 56): the one-process MoE run below is this loop with every dense
+# piece but the feed-forward (attention, chunked loss, clipping, AdamW, logging, evaluation;
+# the same allowed reads plus the router's), and test_parallel_steps_read_the_host_only_at_logging_points
+# trains the dense debug model (its SwiGLU feed-forward) under the detector at pp=2.
+@pytest.mark.slow
 def test_dense_step_reads_the_host_only_at_logging_points(tmp_path):
     _expect(_train(tmp_path), PER_LOG_POINT)
 
