@@ -10,13 +10,13 @@ every parameter to 1e-5 relative (the sweep's tolerance, tests/test_parallel.py)
 launch counts one step's collectives against the planner (FSDP2's: `step_collectives`;
 attention's K/V all-gathers and reduce-scatters: counts and bytes). One 2-rank `meshtron train
 --plan cp=2` of a windowed model with packed documents against one process, its doctor trace
-showing the sliding block's halo exchange (window - 1 rows, not the whole sequence), and one
-with a window reaching over two chunks.
+showing the sliding block's halo exchange (window - 1 rows, not the whole sequence).
 Slow: more compositions (the plain model with documents at cp=2 x dp=2; ZeRO-2 with micro-batches, full recomputation and documents; tp x cp
 ZeRO-3 with selective recomputation and documents; cp=4; the windowed model under tp x cp and
 at cp=4), a DCP checkpoint saved at cp=2 x dp=2 and resumed at cp=1 (dp=4 ZeRO-3, and tp=2 x
 dp=2): the next step's loss and parameters equal continuing at cp=2; and `meshtron train
---plan tp=2,cp=2 --attention-mask document` against one process through the CLI. Refusals (no
+--plan tp=2,cp=2 --attention-mask document` against one process through the CLI, and the
+command with a window reaching over two chunks. Refusals (no
 ranks start): one line, exit 2.
 """
 
@@ -402,6 +402,11 @@ WIDE_WINDOW_RUN = [*RUN, "--set", "model.sliding_window=12", "--set", "model.win
 8 tokens."""
 
 
+# Slow (suite time, session 56): test_train_cli_cp2_window_with_documents_equals_one_process keeps
+# the command's cp=2 halo path (windowed model, packed documents, the trace's rows) default;
+# windows reaching over two and three chunks against one process, with the rows the halo moved:
+# tests/test_context_parallel.py::test_context_parallel_matches_one_process (cp=2 and cp=4).
+@pytest.mark.slow
 def test_train_cli_cp2_window_over_two_chunks_equals_one_process(tmp_path):
     """`meshtron train --nproc 2 --plan cp=2` of a model whose window reaches past the previous
     chunk (window - 1 = 11 > c = 8), packed documents: the single-process run's losses and

@@ -135,7 +135,11 @@ def _mesh_groups_rank_fn(plans):
     return out
 
 
-@pytest.mark.parametrize("world", [4, 8])
+# world 8 under -m slow (suite time, session 56: an 8-rank launch, and 4 more rank zygotes where
+# no other test of the worker started them): [4] keeps build_mesh against the placement default
+# (tp x dp, pp x dp, HSDP, tp x pp over 2-rank nodes), and
+# test_placement_matches_an_independent_formula_on_random_shapes the 3-D placements themselves.
+@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_build_mesh_builds_the_placement(world):
     plans = MESH_PLANS[world]
     results = run_on_ranks(_mesh_groups_rank_fn, world, plans, timeout=300)

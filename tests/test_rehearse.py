@@ -4,16 +4,18 @@ through the runtime's own build, and the planner's memory agreeing with it.
 The agreement table runs each layout kind at a size where every term matters (vocabulary,
 hidden and sequence of a small Llama): the planner's tensors (`allocated`) must be within 5%
 of the rehearsed peak. Fake tensors make the cost per operation, not per byte: each case is
-an ordinary few-second step. The default suite rehearses four kinds, GPipe's and looped BFS's
-stages live in one process; the whole table is `slow`. Two default tables are recorded
-(testkit/recorded_rehearsal.py, tests/data/rehearsals/rehearse-*.json; session 54, -13 CPU s):
-the planner priced now against what the rehearsal measured, re-rehearsed live by the `slow`
+an ordinary few-second step. The default suite rehearses GPipe's and looped BFS's stages live
+in one process; the whole table is `slow`. Three default tables are recorded
+(testkit/recorded_rehearsal.py, tests/data/rehearsals/rehearse-*.json; sessions 54 and 56):
+the four fast kinds, the non-last stages and one micro-batch: the planner priced now against
+what the rehearsal measured, re-rehearsed live by the `slow`
 test_recorded_tables_are_what_the_rehearsal_measures. Their rehearsal paths keep live default
-checks: one micro-batch without a pipeline is the step the fast kinds run with more
-(rehearse/step.py; test_rehearsal_names_where_its_peak_is rehearses one micro-batch live), a
+checks: the step without a pipeline under TP + ZeRO-3 (test_rehearse_command_prints_both_sides),
+ZeRO-2 (test_plan_rehearse_rehearses_the_chosen_plan) and one micro-batch with full
+recomputation (test_rehearsal_names_where_its_peak_is), all through rehearse/step.py; a
 pipeline rank named by number is rehearsed live in tests/test_rehearse_stages.py (1F1B's rank
-4, and torch's V with zero bubble's split backward, rehearse/pipeline_step.py), and the
-first-stage table's TP + SP and full recomputation are the fast kinds' own. The commands run
+4, and torch's V with zero bubble's split backward, rehearse/pipeline_step.py), and GPipe's
+and looped BFS's stages here. The commands run
 through `meshtron.cli.main` in the test's process (testkit/cli_inproc.py: a child would import
 torch again); `meshtron rehearse` as a user types it, in a process of its own:
 tests/test_rehearse_kinds.py, tests/test_rehearse_moe.py."""
@@ -81,14 +83,15 @@ def default_jobs() -> dict:
     """The default suite's rehearsal tables of this file, in one child process (one torch
     import and rehearsal setup instead of five); each test reads its own table."""
     return run_jobs({
-        "fast kinds": (RUN_KINDS, [MODEL, BASE, {n: KINDS[n] for n in FAST}]),
         "gpipe stages": (RUN_STAGES, [MODEL, BASE, GPIPE_STAGES]),
         "looped stages": (RUN_STAGES, [MODEL, BASE, LOOPED_STAGES]),
     })
 
 
-def test_planner_agrees_with_rehearsal_on_three_layout_kinds(default_jobs):
-    _check(job_result(default_jobs, "fast kinds"))
+def test_planner_agrees_with_rehearsal_on_three_layout_kinds():
+    """The four fast kinds (ZeRO-3, TP + SP, 1F1B, full recomputation), recorded
+    (rehearse-fast-kinds.json; session 56, ~10 CPU s of a live rehearsal less)."""
+    _check(_recorded("rehearse-fast-kinds"))
 
 
 KINDS["tp no-sp zero-1"] = dict(tp=4, dp=2, zero=1)
@@ -769,6 +772,7 @@ def _case(knobs: dict, pp_rank: int | None = None) -> dict:
 
 
 RECORDED_TABLES = {
+    "rehearse-fast-kinds": {n: _case(KINDS[n]) for n in FAST},
     "rehearse-non-last-stages": {n: _case(k, r) for n, (k, r) in NON_LAST.items()},
     "rehearse-one-microbatch": {n: _case(k) for n, k in ONE_MB.items()},
 }

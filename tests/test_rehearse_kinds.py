@@ -6,7 +6,8 @@ CPU) and the planner's total must be within 5% of the rehearsed peak. The defaul
 the planner, priced at test time, to the FAST kinds' rehearsal recorded in
 tests/data/rehearsals/kinds-fast.json (testkit/recorded_rehearsal.py; 2026-12-07: every total
 within 1.5%); a `slow` test re-rehearses it live, the other kinds are `slow` and live; the two
-commands below rehearse live by default:
+commands below rehearse live by default (the HSDP one in the test's process, the fp8 one in a
+process of its own, as typed):
 
 * HSDP: FSDP2 shards over "dp_shard" only, so a rank holds dp_replicate times the states of
   plain ZeRO-3 over the same dp (the planner priced them over all of dp: -20%).
@@ -159,9 +160,19 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, cwd=ROOT, timeout=600)
 
 
+def _cli_here(*args: str) -> subprocess.CompletedProcess:
+    """`meshtron ARGS` through the command's entry point in this process (testkit/cli_inproc.py:
+    a child would import torch again; the fp8 command below keeps a process of its own)."""
+    from testkit.cli_inproc import meshtron_main
+
+    code, out, err = meshtron_main(*args)
+    return subprocess.CompletedProcess(["meshtron", *args], code, out, err)
+
+
 def test_rehearse_command_runs_hsdp_with_host_offload():
-    """As a user types it: HSDP (2 replicas of 4-way ZeRO-3) with FSDP2's CPU offload."""
-    out = _cli("rehearse", "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "16",
+    """As a user types it: HSDP (2 replicas of 4-way ZeRO-3) with FSDP2's CPU offload, through
+    the command's entry point in this process (session 56: a child's torch import less)."""
+    out = _cli_here("rehearse", "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "16",
                "--seq-len", "256", "--layout", "dp=8", "--zero", "3", "--dp-replicate", "2",
                "--offload", "full", "--device", "cpu", "--json")
     assert out.returncode == 0, out.stderr[-2000:]

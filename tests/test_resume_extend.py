@@ -11,7 +11,7 @@ command in real processes and real files (meshtron/checkpoint/extend.py, run_id.
 
 Suite time: the refusals and every one-process run go in-process through `meshtron.cli.main`
 (the same argv, the same one-line / exit-2 / nothing-written checks; testkit/cli_inproc.py);
-the 2-rank runs (`--resume` of a pp=2 run without a layout) are the command in real processes.
+the 2-rank runs (`--resume` of a pp=2 run without a layout; slow) are the command in real processes.
 The 7-step straight run is trained once for the module (`constant7`) and read by the extension
 test and, copied, by the --overwrite test.
 """
@@ -109,6 +109,11 @@ def test_warmup_run_extends_exactly_on_two_ranks(tmp_path):
     assert "extending the run from train.steps=4 to 6" in err, err
 
 
+# Slow (suite time, session 56: three 2-rank launches): tests/test_resume_world.py::
+# test_resume_without_nproc_runs_on_the_recorded_ranks resumes a pp=2 run without a layout (and
+# without --nproc) on the checkpoint's plan, bit for bit; the extension itself is
+# test_constant_after_warmup_extends_exactly_on_one_process's.
+@pytest.mark.slow
 def test_resume_without_a_layout_continues_on_the_runs_plan(tmp_path):
     """A pp=2 run (the planner picks dp=2 for this model on 2 ranks) resumed with only
     `--nproc 2`: it continues on the checkpoint's plan, not on a new search (which would reshard to

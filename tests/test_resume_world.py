@@ -1,8 +1,9 @@
 """`--resume` on the run's own world, or on another one, through the `meshtron` command with
 real ranks and files:
 - without `--nproc` a resume runs on the recorded number of ranks (a 2-rank DiLoCo run used to
-  drop to one process and fail naming neither --resume nor --nproc); another --nproc is said in
-  one line;
+  drop to one process and fail naming neither --resume nor --nproc), and without a layout on the
+  checkpoint's plan (a pp=2 run, where the planner would pick dp=2 for 2 ranks: a new search
+  would reshard it silently); another --nproc is said in one line;
 - an int8-compressed ZeRO-1 run resumed on fewer ranks keeps ZeRO-0/1 (the re-plan switched to
   ZeRO-2, whose error-feedback residuals are laid out per FSDP unit: a DCP traceback on every
   rank, after plan.toml was rewritten); a --zero of the other family is refused in one line
@@ -31,10 +32,15 @@ def _plan(run_dir):
 
 
 def test_resume_without_nproc_runs_on_the_recorded_ranks(tmp_path):
-    """Both launchers (a searched plan, checkpoints, --resume's checks) run without torch on this
-    GPU-less node (testkit/no_torch.py)."""
+    """`--resume` alone (no --nproc, no layout) of a 2-rank pp=2 run: it continues on 2 ranks
+    and on the checkpoint's pp=2 plan (the planner picks dp=2 for this model on 2 ranks), bit
+    for bit the run never interrupted. Both launchers (the plan, checkpoints, --resume's checks)
+    run without torch on this GPU-less node (testkit/no_torch.py). Session 56: one pair of
+    launches for what this test (a DiLoCo run, searched) and test_resume_extend.py's
+    test_resume_without_a_layout_continues_on_the_runs_plan (now slow) each launched; a 2-rank
+    DiLoCo run resumed: tests/test_compress_resume.py::test_int8_resume_on_the_same_layout_is_the_same_run[diloco3]."""
     ref = tmp_path / "ref"
-    code, _, err = _run("train", *RUN, "--nproc", "2", "--diloco", "2", "--steps", "4",
+    code, _, err = _run("train", *RUN, "--nproc", "2", "--plan", "pp=2", "--steps", "4",
                         "--checkpoint-every", "2", "--run-dir", str(ref),
                         command=no_torch.COMMAND)
     assert code == 0, err[-2000:]
@@ -43,7 +49,8 @@ def test_resume_without_nproc_runs_on_the_recorded_ranks(tmp_path):
     code, _, err = _run("train", "--run-dir", str(run_dir), "--resume", command=no_torch.COMMAND)
     assert code == 0, err[-2000:]
     assert "resuming on" not in err and "resumed from" in err, err[-2000:]
-    assert _plan(run_dir)["gpus"] == 2 and _plan(run_dir)["diloco"] == 2
+    assert "--resume: continuing on the checkpoint's plan (tp=1,pp=2,dp=1 " in err, err[-2000:]
+    assert _plan(run_dir)["gpus"] == 2 and _plan(run_dir)["pp"] == 2
     assert _losses(run_dir) == _losses(ref)
 
 

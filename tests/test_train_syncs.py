@@ -10,18 +10,22 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from meshtron.cli import main
 from meshtron.model.moe import GroupedExperts
 from testkit.syncs import SyncDetector
 
-STEPS, LOG_EVERY = 4, 2
-LOG_POINTS = 3  # steps 1, 2 and 4 (the first, every LOG_EVERY-th, the last)
+STEPS, LOG_EVERY = 3, 3
+LOG_POINTS = 2  # steps 1 and 3 (the first, every LOG_EVERY-th, the last): step 2 logs nothing
+EVAL_BATCHES = 2  # one read per evaluation, not per batch: 2 batches tell them apart
 
 
 def _train(tmp_path, *extra: str) -> SyncDetector:
     args = ["train", "--model", "debug", "--steps", str(STEPS), "--seq-len", "32",
             "--global-batch", "8", "--micro-batch", "2", "--log-every", str(LOG_EVERY),
-            "--eval-every", str(STEPS), "--run-dir", str(tmp_path / "run"), *extra]
+            "--eval-every", str(STEPS), "--set", f"data.eval_batches={EVAL_BATCHES}",
+            "--run-dir", str(tmp_path / "run"), *extra]
     with SyncDetector() as detector:
         assert main(args) == 0
     return detector
@@ -36,6 +40,11 @@ PER_LOG_POINT = Counter({("Tensor.tolist", "meshtron/train/loop.py:read_values")
                          ("float(tensor)", "meshtron/train/loop.py:evaluate"): 1})
 
 
+# Slow (suite time, session 56): the one-process MoE run below is this loop with every dense
+# piece but the feed-forward (attention, chunked loss, clipping, AdamW, logging, evaluation;
+# the same allowed reads plus the router's), and test_parallel_steps_read_the_host_only_at_logging_points
+# trains the dense debug model (its SwiGLU feed-forward) under the detector at pp=2.
+@pytest.mark.slow
 def test_dense_step_reads_the_host_only_at_logging_points(tmp_path):
     _expect(_train(tmp_path), PER_LOG_POINT)
 
@@ -63,7 +72,7 @@ def test_detector_sees_what_cuda_would_wait_for():
                    "aten.bincount", "aten.repeat_interleave.Tensor"]
 
 
-PAR_STEPS = 6
+PAR_STEPS = 6  # torch's set-up reads (4 DeviceMesh reads on pp=2, seen at 4 steps) under one a step
 
 
 def _ranks_body(base: str, layout: str, model: str) -> tuple[dict, str, int]:

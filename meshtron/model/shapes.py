@@ -445,6 +445,11 @@ class ModelSpec:
 
     def moe_block_index(self) -> int:
         """The index of one block with a routed feed-forward (the last such; -1: none)."""
+        if not self.is_moe:
+            # not a walk down every block: a dense config.json with ten million layers took
+            # 0.7 s per call here (block_kinds asks for it whatever the model), 8 of the 10
+            # seconds of `meshtron plan` refusing it (session 56)
+            return -1
         i = self.layers - 1 - (self.layers % self.moe_layer_step)
         while i >= self.moe_dense_layers and not self.is_moe_layer(i):
             i -= self.moe_layer_step  # skips `moe_mlp_only_layers`: at most len() steps
