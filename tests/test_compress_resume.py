@@ -1,8 +1,8 @@
 """`--resume` of an int8-compressed run through the `meshtron` command, with real ranks and
 files (meshtron/compress/runtime.py, meshtron/checkpoint/rank_entries.py):
 
-- on the same layout (dp=2 ZeRO-0; slow: ZeRO-2, DiLoCo H=3 with int8 outer gradients saved
-  inside a round, and ZeRO-1 over dp=4 compressed across 2 "nodes" of 2 ranks) the resumed
+- on the same layout (dp=2 ZeRO-0, DiLoCo H=3 with int8 outer gradients saved inside a round;
+  slow: ZeRO-2 and ZeRO-1 over dp=4 compressed across 2 "nodes" of 2 ranks) the resumed
   run is the uninterrupted run: every rank restores its own
   error-feedback residual, so losses, final parameters and optimizer state are equal bit for
   bit (they differed by 2.0e-5 at ZeRO-0 and 5.5e-6 at ZeRO-2 while the checkpoint held only
@@ -62,9 +62,8 @@ HIER = ["--nproc", "4", "--plan", "dp=4", "--compress-scope", "inter_node",
     # test_compression_and_diloco_on_gloo ("zero2", "zero2_tp_mean_err")
     pytest.param(2, DP2, (), marks=pytest.mark.slow),
     # DiLoCo's replica states (moments apart, parameters apart inside a round) resumed to the
-    # same losses: tests/test_resume_world.py::test_resume_without_nproc_runs_on_the_recorded_ranks
-    # (--diloco 2) by default; int8's per-local-parameter residual: zero0 above
-    pytest.param(0, DP2, ("--diloco", "3"), marks=pytest.mark.slow),
+    # same run: the default suite's only DiLoCo resume (test_resume_world's run is pp=2 now)
+    (0, DP2, ("--diloco", "3")),
     pytest.param(1, HIER, (), marks=pytest.mark.slow)],  # 4 ranks; suite time
     ids=["zero0", "zero2", "diloco3", "zero1-inter-node"])
 def test_int8_resume_on_the_same_layout_is_the_same_run(tmp_path, int8_run, zero, layout,
