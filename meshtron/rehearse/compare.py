@@ -61,14 +61,29 @@ def planner_rows(bd) -> dict[str, float]:
             "total": bd.allocated}
 
 
-def rehearsal_rows(peak_bytes: dict[str, float]) -> dict[str, float]:
-    """The tracker's categories (memory.CATEGORIES, bytes) folded into ROWS, GiB."""
+def rehearsal_rows(peak_bytes: dict[str, float], unbuilt_gib: float = 0.0) -> dict[str, float]:
+    """The tracker's categories (memory.CATEGORIES, bytes) folded into ROWS, GiB, with
+    `unbuilt_gib` (`unbuilt_state_gib`) in the optimizer row and the total, where the planner
+    counts it (compression.with_state_bytes)."""
     g = {k: v / GIB for k, v in peak_bytes.items()}
     if set(g) == {"total"}:  # CUDA: the allocator's peak only
-        return {"total": g["total"]}
-    return {"params": g["params"], "grads": g["grads"], "optimizer": g["optimizer"],
+        return {"total": g["total"] + unbuilt_gib}
+    return {"params": g["params"], "grads": g["grads"], "optimizer": g["optimizer"] + unbuilt_gib,
             "gathered": g["gathered"], "activations": g["activations"] + g["temporaries"],
-            "total": g["total"]}
+            "total": g["total"] + unbuilt_gib}
+
+
+def unbuilt_state_gib(spec, plan, rank: int) -> float:
+    """GiB of DiLoCo / gradient-compression state `rank` holds in a run (the engine's
+    features: compress/diloco.py, compress/runtime.py) that the rehearsal's rank does not
+    build: planner/memory_compress.py's per-rank count, equal to the runtime's measured bytes.
+    0 without them. (Before: a DiLoCo plan's rehearsal read half the planner's optimizer row
+    and its fit verdict left the outer copy out.)"""
+    from meshtron.planner.memory_compress import compress_bytes
+
+    if plan.grad_compression == "none" and not plan.diloco:
+        return 0.0
+    return compress_bytes(spec, plan, plan.dtype)[rank] / GIB
 
 
 def memory_options(plan, device: str, framework=None):

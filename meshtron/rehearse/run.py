@@ -52,13 +52,20 @@ def rehearse(model, plan, cluster, device: str, rank: int | None = None,
     if ran is not plan:  # the blocks ran eagerly: set beside the planner's eager pricing
         bd = compare.planner_estimate(model, cluster, ran, device, imbalance,
                                       stage=pp_rank, framework=fw).memory
-    rows = compare.rows_table(compare.rehearsal_rows(got["peak_bytes"]),
+    # the outer loop's and the codec's state (DiLoCo's outer copy and momentum, error-feedback
+    # residuals): built by the engine's features, not by the rehearsal's rank; the planner's
+    # count of it is exact per rank (planner/memory_compress.py, measured byte for byte in
+    # tests/test_compress_priced.py), constant through the step, so it adds to the peak
+    unbuilt = compare.unbuilt_state_gib(model, plan, rank)
+    rows = compare.rows_table(compare.rehearsal_rows(got["peak_bytes"], unbuilt),
                               compare.planner_rows(bd))
     report = {"model": model.name, "plan": plan.to_dict(), "device": device, "rank": rank,
               "pp_rank": pp_rank, "stages": got["stages"], "layers": got["layers"],
               "measured": got["measured"], "wall_s": round(got["wall_s"], 2),
               "memory": rows, "planner_workspace_gib": bd.workspace,
               "planner_fits": est.fits, "capacity_gib": bd.capacity}
+    if unbuilt:
+        report["unbuilt_state_gib"] = unbuilt
     planned, cpu_kernels, workspace = est, 0.0, bd.workspace
     if device == "cpu":  # what `meshtron plan` printed for this rank: the GPU's kernels
         gpu = compare.planner_estimate(model, cluster, plan, "cuda", imbalance, stage=pp_rank,
@@ -142,6 +149,10 @@ def print_report(report: dict[str, Any]) -> None:
         print("(both sides above use the CPU's kernels: PyTorch's composite RMSNorm saves fp32 "
               "copies a CUDA kernel does not; `meshtron plan` prices the GPU's: "
               f"{report['planner_gpu_total_gib']:.1f} GiB with workspace)")
+    if "unbuilt_state_gib" in report:
+        print(f"(the rehearsal's optimizer row and total include "
+              f"{report['unbuilt_state_gib']:.3f} GiB of DiLoCo / compression state the rank "
+              "holds in a run but the rehearsal does not build: the planner's exact count)")
     if "framework" in report:
         print(f"(the planner column prices {report['framework']}, the stack the plan was "
               "saved for; the rehearsal runs meshtron's runtime on its layout)")
