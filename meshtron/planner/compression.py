@@ -70,9 +70,16 @@ def extra_state_bytes(plan, compressed: bool = True) -> float:
     parameters inside a replica; compress/diloco.py allocates no momentum at 0)."""
     extra = 4.0 if plan.grad_compression != "none" and compressed else 0.0
     if plan.diloco > 0:
-        outer = 4.0 * (1 + (outer_settings(plan)[1] > 0))
-        extra = (outer + extra) / plan.dp_shard
+        extra = (4.0 * outer_copies(plan) + extra) / plan.dp_shard
     return extra
+
+
+def outer_copies(plan: Any) -> int:
+    """fp32 copies of the local parameters DiLoCo keeps: theta_global, and the momentum where
+    there is one (compress/diloco.py allocates none at 0); 0 without DiLoCo."""
+    if not plan.diloco:
+        return 0
+    return 1 + (outer_settings(plan)[1] > 0)
 
 
 def with_state_bytes(plan, states: tuple[float, float, float],

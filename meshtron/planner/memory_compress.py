@@ -26,7 +26,7 @@ import math
 from typing import Any
 
 from meshtron.model.spec import ModelSpec
-from meshtron.planner.compression import outer_settings
+from meshtron.planner.compression import outer_copies
 from meshtron.planner.memory_ranks import (FP32, FROZEN, _stage_ranges, local_shape,
                                            param_shapes, stages_of_rank)
 
@@ -118,8 +118,8 @@ def compress_bytes(spec: ModelSpec, plan: Any, dtype: str = "fp32") -> list[int]
                 elements += _residual(plan, _group(place, rank, "dp_shard"),
                                       sum(shard[i] for i in unit), "reduce_scatter")
         if plan.diloco:  # theta_global, and the outer momentum where it is > 0
-            copies = 1 + (outer_settings(plan)[1] > 0)
-            elements = copies * total + _residual(plan, replicas, total, "all_reduce")
+            elements = outer_copies(plan) * total + _residual(plan, replicas, total,
+                                                              "all_reduce")
         out.append(FP32 * elements)
     return out
 
@@ -188,7 +188,7 @@ def checkpoint_extra_per_param(plan: Any, ranks_per_node: int | None = None
     per_node, nodes, compressed = _topology(plan, members)
     holders = 0 if plan.grad_compression == "none" or not compressed else \
         nodes if per_node > 1 and nodes > 1 else len(members)
-    outer = 4.0 * (1 + (outer_settings(plan)[1] > 0)) if plan.diloco else 0.0
+    outer = 4.0 * outer_copies(plan)
     parts = ["4 the group's mean residual"] + (
         [f"{outer:g} DiLoCo's outer copy" + (" and momentum" if outer > 4 else "")]
         if plan.diloco else [])

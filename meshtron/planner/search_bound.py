@@ -129,16 +129,19 @@ def _enumerate(ev: Evaluator, space: SearchSpace,
                 tally.counter += 1
                 tally.add_lean(fam, est)
             continue
+        # per layout, not per point: the stages and their replica counts (HSDP)
+        replicas = {z: space.replicates(tp, cp, dp, z, ep)
+                    for z in space.zeros(dp * cp, cp, ep, tp, pp)}
         for mb in space.micro_batches(dp):
             m = ev.global_batch // (dp * mb)
             for rec in space.recomputes:
                 for sp in space.sps(tp):
                     for sched, v in space.schedules(pp, m):
-                        for zero in space.zeros(dp * cp, cp, ep, tp, pp):
+                        for zero, reps in replicas.items():
                             if schedule_zero_problem(sched, zero, pp):
                                 space.tally(schedule_zero_problem(sched, zero, pp))
                                 continue  # the runtime refuses it (plan.py)
-                            for r in space.replicates(tp, cp, dp, zero, ep):
+                            for r in reps:
                                 cfg = space.point(tp, pp, dp, zero, mb, rec, sp, sched, v, cp,
                                                   ep, r)
                                 if cfg is not None:

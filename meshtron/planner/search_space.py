@@ -184,8 +184,9 @@ class SearchSpace(PinnedKnobs):
                 self.mem.layouts, recompute=rec, stack=self.stack, chunk_layers=most_chunk_layers(
                     self.model.layers, pp, v))):
             return None  # the stack's partial recomputation counts per chunk (plan_rules_stack)
-        cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, self.dtype,
-                           self.replicate if replicate is None else replicate, cp, self.reduce_dtype, self.accumulate, ep, offload=self.offload)
+        rep = self.replicate if replicate is None else replicate
+        cfg = Plan.trusted(tp, pp, dp, zero, mb, rec, sp, sched, v, self.dtype, rep, cp,
+                           self.reduce_dtype, self.accumulate, ep, offload=self.offload)
         if self.dtype == "fp8" and self.fp8_recipe != "rowwise":
             cfg = dataclasses.replace(cfg, fp8_recipe=self.fp8_recipe)
         if self.knobs.etp is not None:  # not searched: the user's (Megatron-Core's folding)

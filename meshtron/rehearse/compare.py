@@ -81,8 +81,6 @@ def unbuilt_state_gib(spec, plan, rank: int) -> float:
     and its fit verdict left the outer copy out.)"""
     from meshtron.planner.memory_compress import compress_bytes
 
-    if plan.grad_compression == "none" and not plan.diloco:
-        return 0.0
     return compress_bytes(spec, plan, plan.dtype)[rank] / GIB
 
 
