@@ -108,6 +108,24 @@ def _hierarchical(plan, group: comm.Group) -> bool:
     return plan.compress_scope == "inter_node" and group.nodes > 1 and group.local > 1
 
 
+def hierarchy(plan, group: comm.Group) -> int:
+    """Ranks per node of the hierarchical form meshtron's Reducer runs on `group` (1: flat)."""
+    return group.local if _hierarchical(plan, group) and compresses(plan, group) else 1
+
+
+def reduce_scatter_s(elems: float, gsize: float, shard: comm.Group, fab: comm.Fabric,
+                     split: int = 1) -> float:
+    """One reduce-scatter of `elems` gradient elements over `shard`, `gsize` bytes each on the
+    wire. `split` > 1 (compress_scope='inter_node' across nodes): compress/collectives.py
+    `Reducer.reduce_scatter`'s hierarchical form, fp32 among the node's `split` ranks, then the
+    compressed 1/split each of them holds across the nodes (one rank per node)."""
+    if split <= 1:
+        return comm.reduce_scatter(gsize * elems, shard, fab)
+    inner, outer = comm.Group(split, split), comm.Group(shard.size // split, 1)
+    return (comm.reduce_scatter(4.0 * elems, inner, fab)
+            + comm.reduce_scatter(gsize * elems / split, outer, fab))
+
+
 def reduce_time(plan, params: float, group: comm.Group, fab: comm.Fabric, hbm: float,
                 gsize: float) -> float:
     """One all-reduce of `params` gradients over `group` as meshtron.compress runs it, with the
@@ -158,10 +176,13 @@ def dp_time(est: Any, plan, params: float, groups: dict[str, Any], m: int, fwd: 
     if plan.zero >= 2:
         on = compresses(plan, group)
         wire = wire_bytes(plan, gsize) if on else gsize
-        rs_elems = params  # every unit's reduce-scatter input, each micro-batch
+        split = hierarchy(plan, groups["dp_shard"])
+        # the codec runs on every unit's reduce-scatter input, each micro-batch; hierarchical:
+        # on the 1/split of it that crosses nodes
+        rs_elems = params / split
         reduces = 1 if flags["reduce_once"] else m
         return (est._dp_time(params, plan.zero, groups, m, fwd, bwd, layers, regather,
-                             wire=wire, units=units, kept=kept, **flags)
+                             wire=wire, units=units, kept=kept, split=split, **flags)
                 + (reduces * CODEC_BYTES_PER_ELEMENT * rs_elems / hbm if on else 0.0))
     # compress/runtime.py: one flat fp32 bucket per model part, compressed on the wire
     t = reduce_time(plan, params, group, fab, hbm, 4.0)

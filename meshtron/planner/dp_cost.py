@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshtron.planner import comm, compute, host, pipeline
+from meshtron.planner.compression import reduce_scatter_s
 from meshtron.planner.fp8 import fp8_fractions, fp8_gathers_fp8
 from meshtron.planner.fp8_gather import pre_gather_cast_bytes
 from meshtron.planner.plan import Plan
@@ -209,10 +210,11 @@ class DataParallelCost:
                  gather_once: bool = False, wsize: float = compute.BF16,
                  units: int | None = None, kept: float = 0.0,
                  drain: tuple[int, int, float, int] | None = None,
-                 edge: float = 0.0) -> float:
+                 edge: float = 0.0, split: int = 1) -> float:
         """Exposed data-parallel time of a stage holding `params` parameters in `layers` layers
         (module docstring); `wire`: bytes per gradient element when compressed
-        (planner/compression.py); `units`: its FSDP units (`fsdp_units`; default: the
+        (planner/compression.py); `split`: ranks per node of a compressed hierarchical
+        reduce-scatter (`reduce_scatter_s`); `units`: its FSDP units (`fsdp_units`; default: the
         layers' own); `kept`: parameters of its last unit, not re-gathered for backward
         (FSDP's [norm, head]); `drain`: (v, pipeline rank, one micro-batch's backward of the
         rank, chunk-slots idle at each chunk change) when torch.distributed.pipelining reduces
@@ -222,7 +224,7 @@ class DataParallelCost:
         group = groups["dp"]
         units = units or max(1, layers * self.opts.shard_units_per_layer)
         key = ("dp", params, zero, group, groups["dp_replicate"], m, fwd, bwd, layers, regather,
-               wire, gsize, reduce_once, gather_once, wsize, units, kept, drain, edge)
+               wire, gsize, reduce_once, gather_once, wsize, units, kept, drain, edge, split)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -232,12 +234,14 @@ class DataParallelCost:
             # per unit and micro-batch, with its own overlap rules
             exp = m * self._zero3_per_microbatch(params, groups, layers, fwd, bwd, regather,
                                                  backward_gather=zero == 3, wire=gsize,
-                                                 wsize=wsize, units=units, kept=kept)
+                                                 wsize=wsize, units=units, kept=kept,
+                                                 split=split)
             self._cache[key] = exp
             return exp
         if zero >= 2 and fsdp:
             exp = self._fsdp_accumulated(params, groups, units, m, fwd, bwd, zero, gsize,
-                                         reduce_once, gather_once, regather, wsize, kept, drain)
+                                         reduce_once, gather_once, regather, wsize, kept, drain,
+                                         split)
             self._cache[key] = exp
             return exp
         if not self.opts.overlap_grad_reduce:
@@ -309,7 +313,8 @@ class DataParallelCost:
                           fwd: float, bwd: float, zero: int, gsize: float, reduce_once: bool,
                           gather_once: bool, regather: bool, wsize: float,
                           kept: float = 0.0,
-                          drain: tuple[int, int, float, int] | None = None) -> float:
+                          drain: tuple[int, int, float, int] | None = None,
+                          split: int = 1) -> float:
         """FSDP2 ZeRO-2/3 whose gradients accumulate unsharded over the step's micro-batches
         (`reduce_once`: one reduce-scatter per unit per step, after the last backward: exposed
         behind that backward only, or under pipelining (`drain`) issued after it,
@@ -321,7 +326,7 @@ class DataParallelCost:
         have a fill and a drain (`unit_chain`): the first unit's all-gather before any forward,
         the last unit's reduce-scatter after the last backward."""
         shard, rep = groups["dp_shard"], groups["dp_replicate"]
-        rs = units * (comm.reduce_scatter(gsize * params / units, shard, self.fab)
+        rs = units * (reduce_scatter_s(params / units, gsize, shard, self.fab, split)
                       + comm.all_reduce(gsize * params / units / shard.size, rep, self.fab))
         nccl = self.dp_interference(groups)
         if drain and reduce_once:  # after the last backward (pipeline.reduce_after_drain)
@@ -346,7 +351,8 @@ class DataParallelCost:
                               fwd: float, bwd: float, regather: bool = False,
                               backward_gather: bool = True, wire: float | None = None,
                               reduce: bool = True, wsize: float = compute.BF16,
-                              units: int | None = None, kept: float = 0.0) -> float:
+                              units: int | None = None, kept: float = 0.0,
+                              split: int = 1) -> float:
         """ZeRO-3 / FSDP: one all-gather per wrapped unit before its forward, another before its
         backward (parameters are resharded after the forward) and one reduce-scatter of its
         gradients after it (HSDP: over the shard group, then an all-reduce of the shard over the
@@ -369,7 +375,7 @@ class DataParallelCost:
             max(1, layers * rpl)
         shard, rep = groups["dp_shard"], groups["dp_replicate"]
         gsize = wire or 4.0
-        rs_one = comm.reduce_scatter(gsize * params / r_units, shard, self.fab)
+        rs_one = reduce_scatter_s(params / r_units, gsize, shard, self.fab, split)
         host = shard.size * LIST_HOST_S_PER_RANK if opts.list_collectives else 0.0
 
         def gather(elems: float) -> tuple[float, float]:
