@@ -138,6 +138,8 @@ def test_demo_says_why_it_trains_its_own_layout():
 
 
 # ---- runs ---------------------------------------------------------------------------------------
+@pytest.mark.slow  # suite time (session 57): tests/test_offload.py test_train_offload_runs_and_says_so
+# trains `--offload-activations` through the command by default (2 ranks, the same planning)
 def test_offload_activations_trains(capsys, tmp_path):
     """Crashed with UnboundLocalError 'dataclasses' (train/planning.py) on every run. One
     process: the command's entry point in this process (the crash was in the planning every
