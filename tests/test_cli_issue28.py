@@ -163,8 +163,8 @@ def test_saved_bf16_plan_states_its_dtype_on_cpu(capsys, tmp_path):
                        'gpus_per_node = 1\nnodes = 1\nintra_node_gb_per_s = 1.0\n'
                        'inter_node_gb_per_s = 1.0\n')
     plan = tmp_path / "plan.toml"
-    proc = meshtron("plan", "--model", "debug", "--cluster", cluster, "--global-batch", "4",
-                    "--seq-len", "16", "--save", plan, timeout=120)
+    proc = meshtron_main(capsys, "plan", "--model", "debug", "--cluster", cluster,
+                         "--global-batch", "4", "--seq-len", "16", "--save", plan)
     assert proc.returncode == 0, proc.stderr
     assert "dtype bf16" in proc.stdout.replace("\n", " ")
     run = tmp_path / "run"
