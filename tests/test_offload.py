@@ -87,19 +87,25 @@ def test_train_offload_optimizer_is_one_line_exit_2(tmp_path, capsys):
 def test_train_offload_runs_and_says_so(tmp_path, capsys):
     """Through the command (audit 48a item 2): a 2-rank ZeRO-3 run with `--offload full` trains,
     and its plan line says the offload is on (it printed compile and compression knobs but not
-    offload, which only plan.toml held)."""
+    offload, which only plan.toml held). With `--offload-activations` too (suite time, session
+    57: one launch for both flags): that flag crashed every run in its planning with
+    UnboundLocalError 'dataclasses' (train/planning.py; tests/test_cli_issue28.py
+    test_offload_activations_trains, now `slow`, runs it on one process)."""
     import json
     import tomllib
 
     from meshtron.cli import main
 
     run = tmp_path / "r"
-    rc = main(["train", "--model", "debug", "--offload", "full", "--zero", "3", "--nproc", "2",
-               "--plan", "dp=2", "--run-dir", str(run), "--steps", "1", "--eval-every", "0"])
+    rc = main(["train", "--model", "debug", "--offload", "full", "--offload-activations",
+               "--zero", "3", "--nproc", "2", "--plan", "dp=2", "--run-dir", str(run),
+               "--steps", "1", "--eval-every", "0"])
     out = capsys.readouterr().out.replace("\n", "")
     assert rc == 0, out[-3000:]
     line = out[out.index("plan tp=1,pp=1,dp=2"):]
     assert " offload=full " in line.split(";")[0], line
-    assert tomllib.loads((run / "plan.toml").read_text())["offload"] == "full"
+    plan = tomllib.loads((run / "plan.toml").read_text())
+    assert plan["offload"] == "full" and plan["offload_activations"] is True
     records = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
-    assert any("loss" in r for r in records)
+    assert len([r for r in records if "loss" in r]) == 1
+    assert f"memory in {run}/memory.json" in out

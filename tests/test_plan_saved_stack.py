@@ -332,20 +332,20 @@ def test_train_names_the_stack_before_the_world_size_it_asks_for(cli, tmp_path):
     assert "plan.framework='megatron@2024'" in lines[0] and "--nproc" not in lines[0]
 
 
-def test_rehearse_fit_line_reads_as_a_sum_through_the_command(tmp_path):
+def test_rehearse_fit_line_reads_as_a_sum_through_the_command(tmp_path, monkeypatch):
     """Session-50 user audit: `meshtron rehearse --plan plan.toml` on CPU printed "peak on the
     GPU's kernels (less the CPU kernels' 15.2 GiB) + workspace 76.2 GiB", which reads as a 76.2
-    GiB workspace; the total is now given after "="."""
-    import subprocess
-    import sys
+    GiB workspace; the total is now given after "=". Both commands as typed, through
+    `meshtron.cli.main` in this process (testkit/cli_inproc.py; suite time, session 57: the
+    rehearsal's child imported torch again, ~3.5 CPU s)."""
+    from testkit.cli_inproc import meshtron_main
 
+    monkeypatch.chdir(tmp_path)
     plan = tmp_path / "plan.toml"
-    run = [sys.executable, "-m", "meshtron"]
-    subprocess.run([*run, "plan", "--model", "debug", "--cluster", "nominal-cpu:2",
-                    "--global-batch", "4", "--seq-len", "32", "--save", str(plan)],
-                   check=True, capture_output=True, timeout=120, cwd=tmp_path)
-    done = subprocess.run([*run, "rehearse", "--plan", str(plan)], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    line = next(x for x in done.stdout.splitlines() if x.startswith("fit: "))
+    code, _, err = meshtron_main("plan", "--model", "debug", "--cluster", "nominal-cpu:2",
+                                 "--global-batch", "4", "--seq-len", "32", "--save", plan)
+    assert code == 0, err
+    code, stdout, err = meshtron_main("rehearse", "--plan", plan)
+    assert code == 0, err
+    line = next(x for x in stdout.splitlines() if x.startswith("fit: "))
     assert "+ workspace = " in line and " GiB of the GPU's " in line, line

@@ -28,15 +28,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from testkit.recorded_rehearsal import case, live_check, recorded_table
 from testkit.rehearsal import check_totals, run_kinds
-
-ROOT = Path(__file__).resolve().parents[1]
 
 MODEL = dict(name="mid", layers=2, hidden=2048, heads=16, kv_heads=4, ffn_hidden=5632,
              vocab=32000, max_seq=4096)
@@ -155,14 +151,9 @@ def test_planner_agrees_with_rehearsal_on_every_new_layout_kind(kind):
     _check(_run_kinds([kind]))
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshtron", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600)
-
-
 def _cli_here(*args: str) -> subprocess.CompletedProcess:
     """`meshtron ARGS` through the command's entry point in this process (testkit/cli_inproc.py:
-    a child would import torch again; the fp8 command below keeps a process of its own)."""
+    a child would import torch again)."""
     from testkit.cli_inproc import meshtron_main
 
     code, out, err = meshtron_main(*args)
@@ -185,7 +176,10 @@ def test_rehearse_command_runs_hsdp_with_host_offload():
 
 
 def test_rehearse_command_says_a_compiled_fp8_plan_ran_eagerly():
-    out = _cli("rehearse", "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "16",
+    # in this process (suite time, session 57: a child imported torch and torchao again; the
+    # suite's workers import torchao anyway, for the one-process FP8 references of
+    # tests/test_offload.py and tests/test_fp8_numerics.py)
+    out = _cli_here("rehearse", "--model", "tiny", "--cluster", "dgx-h100:1", "--global-batch", "16",
                "--seq-len", "256", "--layout", "dp=8", "--zero", "3", "--dtype", "fp8",
                "--fp8-recipe", "tensorwise", "--compile", "--device", "cpu")
     assert out.returncode == 0, out.stderr[-2000:]

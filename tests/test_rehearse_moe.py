@@ -251,10 +251,14 @@ ONE_MICRO_BATCH = ["--layout", "dp=8", "--zero", "0", "--micro-batch", "1"]
 
 
 def _rehearse(*argv: str) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "meshtron", "rehearse", *argv],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out
+    """`meshtron rehearse ARGV` through `meshtron.cli.main` in this process (testkit/cli_inproc.py,
+    as tests/test_rehearse.py's commands: the test reads its exit code and output; suite time,
+    session 57: a child imported torch again, ~3.5 CPU s)."""
+    from testkit.cli_inproc import meshtron_main
+
+    code, stdout, stderr = meshtron_main("rehearse", *argv)
+    assert code == 0, stderr[-2000:]
+    return subprocess.CompletedProcess(["meshtron", "rehearse", *argv], code, stdout, stderr)
 
 
 @pytest.fixture(scope="module")

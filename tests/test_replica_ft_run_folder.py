@@ -29,6 +29,18 @@ def _meshtron(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def _train_here(monkeypatch, *args: str) -> subprocess.CompletedProcess:
+    """`meshtron train ARGS` through `meshtron.cli.main` in this process (testkit/cli_inproc.py:
+    the test reads only its exit code, output and files; suite time, session 57: the launcher
+    imports torch and torchft, ~3 CPU s a child, which this process holds already). The groups
+    are processes of their own as in every run; the launcher's RUST_LOG is put back after."""
+    from testkit.cli_inproc import meshtron_main
+
+    monkeypatch.setenv("RUST_LOG", os.environ.get("RUST_LOG", "error"))
+    code, out, err = meshtron_main("train", *args)
+    return subprocess.CompletedProcess(["meshtron", "train", *args], code, out, err)
+
+
 def _lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
@@ -57,14 +69,15 @@ def _refused(capsys, argv: list[str], needle: str) -> None:
     assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err, err
 
 
-def test_a_finished_replica_ft_run_folder_holds_what_every_run_writes(tmp_path, capsys):
+def test_a_finished_replica_ft_run_folder_holds_what_every_run_writes(tmp_path, capsys,
+                                                                       monkeypatch):
     """A short run (3 steps, 2 groups; about 15 s idle): metrics with the loop's fields and
     its evaluation, summary.json, run.toml, the final checkpoint that export reads; a rerun
     needs --overwrite and --resume is refused. The killed runs are `slow`."""
     run_dir = tmp_path / "run"
     metrics = run_dir / "metrics.jsonl"
-    done = _meshtron("train", *RUN, "--steps", "3", "--eval-every", "3",
-                     "--run-dir", str(run_dir))
+    done = _train_here(monkeypatch, *RUN, "--steps", "3", "--eval-every", "3",
+                       "--run-dir", str(run_dir))
     assert done.returncode == 0, done.stderr
     records = _lines(metrics)
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -199,7 +212,7 @@ def test_a_run_whose_final_checkpoint_was_not_committed_fails(tmp_path):
     check_final_checkpoint(cfg, run_dir / "replica_ft")
 
 
-def test_a_diverged_replica_ft_run_fails_as_the_loop_does(tmp_path):
+def test_a_diverged_replica_ft_run_fails_as_the_loop_does(tmp_path, monkeypatch):
     """A NaN loss at a logging point: the loop's one line ("loss became nan at step N"), exit
     1, the groups stopped, metrics.jsonl without the NaN record and ending in a `failed`
     record, no summary.json or checkpoint (not a finished run of NaN weights). About 15 s."""
@@ -207,8 +220,8 @@ def test_a_diverged_replica_ft_run_fails_as_the_loop_does(tmp_path):
 
     run_dir = tmp_path / "run"
     # 500 steps: the groups are stopped long before the end (they would save a checkpoint)
-    done = _meshtron("train", *RUN, "--steps", "500", "--log-every", "1", "--lr", "1e30",
-                     "--run-dir", str(run_dir), timeout=240)
+    done = _train_here(monkeypatch, *RUN, "--steps", "500", "--log-every", "1", "--lr",
+                       "1e30", "--run-dir", str(run_dir))
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "loss became nan at step 3" in done.stderr.strip().splitlines()[-1], done.stderr
     assert "Traceback" not in done.stderr

@@ -4,11 +4,14 @@ or DiLoCo: their error-feedback residuals, the group's mean residual and DiLoCo'
 and momentum travel in every snapshot beside the parameters and AdamW's moments
 (memory_compress.snapshot_extra_bytes).
 
-Default: int8 at ZeRO-3 (the per-unit padded reduce-scatter input of ZeRO-2/3) and DiLoCo with
-int8 (the per-local-parameter mean residual, the branch ZeRO-0/1 share, plus the outer copy and
-momentum). Slow (suite time, a 2-rank launch): int8 at ZeRO-1, whose residuals take the branch
-the DiLoCo case runs by default; its own residual bytes (compress_bytes) are measured against the
-prediction by default in tests/test_compress_priced.py::
+Default: DiLoCo with int8 (the per-local-parameter mean residual, the branch ZeRO-0/1 share,
+plus the outer copy and momentum); int8 at ZeRO-3 (the per-unit padded reduce-scatter input of
+ZeRO-2/3) is checked by default on tests/test_snapshot.py's killed run (dp=2, ZeRO-3, int8,
+block 64, one rank per node: this file's int8-zero3 flags), through
+`check_planned_snapshot_bytes`. Slow (suite time, a 2-rank launch each): int8 at ZeRO-3 here
+(session 57), and int8 at ZeRO-1, whose residuals take the branch the DiLoCo case runs by
+default; its own residual bytes (compress_bytes) are measured against the prediction by
+default in tests/test_compress_priced.py::
 test_memory_json_counts_the_compression_state_on_both_sides."""
 
 import json
@@ -32,13 +35,25 @@ COMPRESSED = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "int8-zero1"
+SLOW = {"int8-zero1", "int8-zero3"}
+"""Suite time: int8-zero3's flags and checks run by default on tests/test_snapshot.py's killed
+run (`SNAP`); int8-zero1's branch is the DiLoCo case's."""
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW
                                   else n for n in sorted(COMPRESSED)])
 def test_planned_snapshot_bytes_count_the_compression_state(tmp_path, name):
     run_dir = tmp_path / name
     code, out = _run(run_dir, "--nproc", "2", "--ranks-per-node", "1", "--snapshot-every",
                      "1", "--max-restarts", "1", "--steps", "2", *COMPRESSED[name])
     assert code == 0, out[-4000:]
+    check_planned_snapshot_bytes(run_dir)
+
+
+def check_planned_snapshot_bytes(run_dir) -> None:
+    """The snapshot bytes a finished compressed run measured (summary.json) against the
+    planner's, with its compression state and without, and the host line `meshtron plan`
+    prints for the run's pinned plan."""
     measured = json.loads((run_dir / "summary.json").read_text())["snapshot"]["bytes_per_rank"]
     cfg = config_from_dict(load_toml(run_dir / "run.toml"))
     spec = cfg.model
