@@ -8,8 +8,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,15 +16,11 @@ from meshtron.doctor import timeline as tl
 
 
 @pytest.fixture(scope="module")
-def pp_run(tmp_path_factory):
+def pp_run(tmp_path_factory, pp2_run):
+    """conftest.py `pp2_run` (`meshtron train --nproc 2 --plan pp=2`, 5 steps, also resumed
+    by tests/test_resume_world.py), copied: the doctor writes its timeline beside the ranks'."""
     run_dir = tmp_path_factory.mktemp("timeline") / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "meshtron", "train", "--nproc", "2", "--plan", "pp=2",
-         "--model", "debug", "--steps", "5", "--seq-len", "32", "--global-batch", "16",
-         "--eval-every", "0", "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copytree(pp2_run, run_dir)
     report = _doctor(run_dir, "--json")
     text = _doctor(run_dir, "--no-png")
     print(text)
