@@ -161,8 +161,10 @@ def resumed_launch(request, tmp_path_factory):
 
 
 PP2_RUN = ["train", "--nproc", "2", "--plan", "pp=2", "--model", "debug", "--seq-len", "32",
-           "--global-batch", "16", "--eval-every", "0", "--steps", "5", "--checkpoint-every", "2"]
-"""A 2-rank pipelined run with checkpoints (steps 2 and 4, and the last if the run saves it)."""
+           "--global-batch", "16", "--eval-every", "0", "--steps", "5", "--checkpoint-every", "2",
+           "--log-every", "1"]
+"""A 2-rank pipelined run with checkpoints (steps 2 and 4, and the last if the run saves it)
+and a metrics record every step."""
 
 
 @pytest.fixture(scope="session")
@@ -171,8 +173,8 @@ def pp2_run(request, tmp_path_factory) -> Path:
     not import torch), trained once for the test run, whichever xdist worker asks first (the
     others wait on a file lock, as for `int8_run`): tests/test_doctor_timeline.py reads its
     timelines (from a copy: the doctor writes beside them), tests/test_resume_world.py resumes
-    a copy of it (one 2-rank launch, ~11 CPU s, instead of one each; suite time, session 57).
-    Read only."""
+    a copy of it, tests/test_doctor_straggler.py reads its ranks' beats (one 2-rank launch,
+    ~11 CPU s, instead of one each; suite time, session 57). Read only."""
     import fcntl
     import shutil
     import subprocess
