@@ -158,3 +158,39 @@ def resumed_launch(request, tmp_path_factory):
             said.write_text(out + err)
             (root / "done").write_text("")
     return run, said.read_text()
+
+
+PP2_RUN = ["train", "--nproc", "2", "--plan", "pp=2", "--model", "debug", "--seq-len", "32",
+           "--global-batch", "16", "--eval-every", "0", "--steps", "5", "--checkpoint-every", "2",
+           "--log-every", "1"]
+"""A 2-rank pipelined run with checkpoints (steps 2 and 4, and the last if the run saves it)
+and a metrics record every step."""
+
+
+@pytest.fixture(scope="session")
+def pp2_run(request, tmp_path_factory) -> Path:
+    """The folder of `meshtron train PP2_RUN` (the launcher through testkit.no_torch: it may
+    not import torch), trained once for the test run, whichever xdist worker asks first (the
+    others wait on a file lock, as for `int8_run`): tests/test_doctor_timeline.py reads its
+    timelines (from a copy: the doctor writes beside them), tests/test_resume_world.py resumes
+    a copy of it, tests/test_doctor_straggler.py reads its ranks' beats (one 2-rank launch,
+    ~11 CPU s, instead of one each; suite time, session 57). Read only."""
+    import fcntl
+    import shutil
+    import subprocess
+
+    from testkit import no_torch
+
+    root = _shared_dir(request.config, tmp_path_factory) / "pp2-run"
+    root.mkdir(exist_ok=True)
+    run = root / "run"
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (root / "done").exists():
+            shutil.rmtree(run, ignore_errors=True)  # a worker that failed half-way
+            proc = subprocess.run([*no_torch.COMMAND, *PP2_RUN, "--run-dir", str(run)],
+                                  capture_output=True, text=True, timeout=600,
+                                  env=dict(os.environ, OMP_NUM_THREADS="1"))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            (root / "done").write_text("")
+    return run

@@ -218,8 +218,11 @@ def test_a_writer_thread_that_ends_between_readings_counts_whole():
     assert grew < 0.05, grew
 
 
-def test_healthy_run_with_checkpoints_records_its_work_between_steps(tmp_path):
-    """The audit's live run (`--steps 6 --checkpoint-every 3`, a metrics record every step):
+def test_healthy_run_with_checkpoints_records_its_work_between_steps(pp2_run):
+    """The audit's live run (`--steps 6 --checkpoint-every 3`, a metrics record every step;
+    session 57: conftest.py `pp2_run`, 5 steps of a 2-rank pp=2 run checkpointed every 2 with
+    a record every step, which tests/test_doctor_timeline.py and tests/test_resume_world.py
+    read too, not a launch of its own):
     each rank's beats carry the run's work between steps (`run_work`, doctor/session.py: rank
     0 alone commits the checkpoint and writes the records, its peer waits in the collectives)
     and its checkpoint writer threads' CPU time. The verdict on such a run is not asserted
@@ -227,16 +230,11 @@ def test_healthy_run_with_checkpoints_records_its_work_between_steps(tmp_path):
     `meshtron doctor` named rank 0 in 5 of 15 such runs; since, in none of 34 at load 5-10
     (session 53, measurements.md#straggler-ended-threads); the recorded-dumps tests above
     hold each change of the rule."""
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen([*TRAIN, "--steps", "6", "--checkpoint-every", "3", "--log-every",
-                             "1", "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    _finish(proc)
+    run_dir = pp2_run
     work = {}
     for rank in (0, 1):
         beats = json.loads((run_dir / "trace" / f"rank_{rank}.json").read_text())["step_times"]
-        assert [b["step"] for b in beats] == list(range(1, 7)), beats
+        assert [b["step"] for b in beats] == list(range(1, 6)), beats
         assert beats[0]["run_work"]["seconds"] == 0.0, beats[0]  # nothing before step 1
         work[rank] = beats[-1]["run_work"]
         assert set(work[rank]) == {"seconds", "run_queue_s", "other_threads_cpu_s", "cpu_s",

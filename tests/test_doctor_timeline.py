@@ -7,8 +7,8 @@ import contextlib
 import io
 import json
 import os
-import subprocess
-import sys
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -16,15 +16,11 @@ from meshtron.doctor import timeline as tl
 
 
 @pytest.fixture(scope="module")
-def pp_run(tmp_path_factory):
+def pp_run(tmp_path_factory, pp2_run):
+    """conftest.py `pp2_run` (`meshtron train --nproc 2 --plan pp=2`, 5 steps, also resumed
+    by tests/test_resume_world.py), copied: the doctor writes its timeline beside the ranks'."""
     run_dir = tmp_path_factory.mktemp("timeline") / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "meshtron", "train", "--nproc", "2", "--plan", "pp=2",
-         "--model", "debug", "--steps", "5", "--seq-len", "32", "--global-batch", "16",
-         "--eval-every", "0", "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copytree(pp2_run, run_dir)
     report = _doctor(run_dir, "--json")
     text = _doctor(run_dir, "--no-png")
     print(text)
@@ -150,12 +146,57 @@ def test_a_resumed_launch_leaves_its_first_step_out(resumed_launch):
     assert [s["step"] for s in doc["steps"]] == [5, 6], doc["steps"]
 
 
+STARTUP_ALONE = Path(__file__).parent / "data" / "startup_step_alone"
+"""The trace folders (the rank's timeline_rank_0.json that `doctor --timeline` reads, beside its
+dump and hello) of the slow live test's two planned 1-rank launches: `first/` after `--steps 1`, `resumed/` after its `--resume
+--steps 2`. `REGENERATE=1 .venv/bin/python -m pytest -m slow tests/test_doctor_timeline.py -k
+"start_up and live"` rewrites them."""
+STARTUP_NOTES = {
+    "first": ("only step 1 ran in this launch: its time includes the start-up (building the "
+              "model, the first allocations), so the table shows no steady step"),
+    "resumed": ("only step 2 ran in this resumed launch: its time includes the start-up "
+                "(building the model, the first allocations, loading the checkpoint it resumed "
+                "from)")}
+
+
+def _startup_alone_is_said(run) -> None:
+    """`doctor --timeline` of a launch whose only step is its first: one line says why no
+    steady step (in the text of a first launch, in --json's notes of a resumed one)."""
+    from testkit.cli_inproc import meshtron_main
+
+    rc, out, err = meshtron_main("doctor", run / "first", "--timeline", "--no-png")
+    assert rc == 0, err
+    assert STARTUP_NOTES["first"] in out, out
+    rc, out, err = meshtron_main("doctor", run / "resumed", "--timeline", "--no-png", "--json")
+    assert rc == 0, err
+    notes = json.loads(out)["notes"]
+    assert len(notes) == 1 and notes[0].startswith(STARTUP_NOTES["resumed"]), notes
+
+
 def test_a_launch_of_its_start_up_step_alone_says_why_no_steady_step(tmp_path,
                                                                      resumed_launch):
     """Audit s54, finding 4: a launch whose only step is its first (step 1, or a resume's
     first) has only its start-up step in the timeline, whose seconds (model build, first
     allocations, the checkpoint load) `doctor --timeline` printed as the step time without a
-    word; now one line says so, under the table and in --json."""
+    word; now one line says so, under the table and in --json. Judged on the timelines two
+    real launches wrote (STARTUP_ALONE; the live launches are the slow test below: suite time,
+    two planned 1-rank launches, ~17 CPU s; a live rank leaving its launch's first step out
+    of a timeline of several steps: test_every_rank_writes_its_timeline, and after a resume
+    test_a_resumed_launch_leaves_its_first_step_out)."""
+    from testkit.cli_inproc import meshtron_main
+
+    shutil.copytree(STARTUP_ALONE, tmp_path / "run")
+    for name, first in (("first", 1), ("resumed", 2)):
+        doc = json.loads((tmp_path / "run" / name / "trace" / "timeline_rank_0.json").read_text())
+        assert [s["step"] for s in doc["steps"]] == [first] == [doc["launch_first_step"]], doc
+    _startup_alone_is_said(tmp_path / "run")
+    # a resumed launch with steady steps (the shared 3 + 3 steps run): nothing said
+    rc, out, err = meshtron_main("doctor", resumed_launch[0], "--timeline", "--no-png", "--json")
+    assert rc == 0 and json.loads(out)["notes"] == [], out
+
+
+@pytest.mark.slow  # two planned 1-rank launches: the test above judges the timelines they wrote
+def test_a_launch_of_its_start_up_step_alone_says_why_no_steady_step_live(tmp_path):
     from testkit.cli_inproc import meshtron_main
 
     run = tmp_path / "r"
@@ -163,18 +204,12 @@ def test_a_launch_of_its_start_up_step_alone_says_why_no_steady_step(tmp_path,
             "--eval-every", "0", "--warmup-steps", "2", "--zero", "1", "--run-dir", run]
     rc, _, err = meshtron_main(*args, "--steps", "1", "--checkpoint-every", "1")
     assert rc == 0, err
-    rc, out, err = meshtron_main("doctor", run, "--timeline", "--no-png")
-    assert rc == 0, err
-    assert ("only step 1 ran in this launch: its time includes the start-up (building the "
-            "model, the first allocations), so the table shows no steady step") in out, out
+    recorded = tmp_path / "recorded"
+    shutil.copytree(run / "trace", recorded / "first" / "trace")
     rc, _, err = meshtron_main(*args, "--steps", "2", "--resume")
     assert rc == 0, err
-    rc, out, err = meshtron_main("doctor", run, "--timeline", "--no-png", "--json")
-    assert rc == 0, err
-    notes = json.loads(out)["notes"]
-    assert len(notes) == 1 and notes[0].startswith(
-        "only step 2 ran in this resumed launch: its time includes the start-up (building the "
-        "model, the first allocations, loading the checkpoint it resumed from)"), notes
-    # a resumed launch with steady steps (the shared 3 + 3 steps run): nothing said
-    rc, out, err = meshtron_main("doctor", resumed_launch[0], "--timeline", "--no-png", "--json")
-    assert rc == 0 and json.loads(out)["notes"] == [], out
+    shutil.copytree(run / "trace", recorded / "resumed" / "trace")
+    if os.environ.get("REGENERATE"):  # before the doctor adds its timeline.json
+        shutil.rmtree(STARTUP_ALONE, ignore_errors=True)
+        shutil.copytree(recorded, STARTUP_ALONE)
+    _startup_alone_is_said(recorded)

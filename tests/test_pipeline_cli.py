@@ -29,10 +29,21 @@ def _schedules() -> list[str]:
 
 
 def _train(run_dir, *argv, steps=2) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "meshtron", "train", *RUN, "--steps", str(steps),
-                           "--run-dir", str(run_dir), *argv],
-                          capture_output=True, text=True, timeout=300, env=env)
+    """`meshtron train RUN --steps STEPS ARGV`: a child (torchrun under --nproc), or, for the
+    one-process references, in this process with the ranks' one thread (testkit.bf16
+    one_thread: the same GEMM blocking as OMP_NUM_THREADS=1; a child imported torch again,
+    ~4 CPU s, suite time)."""
+    args = ["train", *RUN, "--steps", str(steps), "--run-dir", str(run_dir), *argv]
+    if "--nproc" in argv:
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, "-m", "meshtron", *args],
+                              capture_output=True, text=True, timeout=300, env=env)
+    else:
+        from testkit.bf16 import one_thread
+        from testkit.cli_inproc import meshtron_main
+
+        with one_thread():
+            proc = subprocess.CompletedProcess(args, *meshtron_main(*args))
     assert proc.returncode == 0, proc.stderr[-3000:]
     # a torch whose ProcessGroup the doctor cannot record through (2.11) is named once, by rank
     # 0, on multi-rank runs only (a one-process run makes no group)

@@ -6,37 +6,45 @@ from __future__ import annotations
 
 import pytest
 
-from testkit.rehearsal import job_result, run_jobs
+
+# torch's own zero-bubble backward (pipelining/_backward.py) reads a non-leaf .grad: said once
+# by the rehearsal of torch's V, which runs in this process
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 
 MODEL = dict(name="small", layers=6, hidden=512, heads=8, kv_heads=4, ffn_hidden=1408,
              vocab=8000, max_seq=1024)
 BASE = dict(tp=1, pp=2, dp=4, zero=1, micro_batch=2, recompute="none", sp=False,
             dtype="bf16", global_batch=32, seq_len=512, model="small")
 
-RAW = """
-import json, sys
-import meshtron.rehearse.step as step
-from meshtron.model.spec import ModelSpec
-from meshtron.planner.plan import as_plan
-from meshtron.rehearse.memory import state_bytes
-from meshtron.rehearse.rank import rehearse_rank
-model, base, knobs, rank = json.loads(sys.argv[1])
-raw, states = {}, []
-folded, held = step.categories, step.state_bytes
-def spy(snapshot, host=()):  # the tracker's own categories at the peak, read, not changed
-    for snap in snapshot.values():
-        raw.update({getattr(k, "value", k): v for k, v in snap.items()})
-    return folded(snapshot, host)
-def spy_states(optimizer):
-    states.append(held(optimizer))
-    return states[-1]
-step.categories, step.state_bytes = spy, spy_states
-spec = ModelSpec(**model)
-plan = as_plan({**base, **knobs}).validate(8, spec)
-r = rehearse_rank(spec, plan, rank, "cpu")
-print("RESULT" + json.dumps(dict(raw=raw, states=states[-1], peak=r["peak_bytes"],
-                                 stages=r["stages"])))
-"""
+def _raw_rehearsal(model: dict, base: dict, knobs: dict, rank: int) -> dict:
+    """One rank's rehearsal with the tracker's own categories at the peak and the optimizer's
+    state bytes, read through two wrapped functions of meshtron.rehearse.step (restored
+    after: the rehearsal runs in this process, suite time, not a child's torch import)."""
+    import meshtron.rehearse.step as step
+    from meshtron.model.spec import ModelSpec
+    from meshtron.planner.plan import as_plan
+    from meshtron.rehearse.rank import rehearse_rank
+
+    raw, states = {}, []
+    folded, held = step.categories, step.state_bytes
+
+    def spy(snapshot, host=()):  # the tracker's categories at the peak, read, not changed
+        for snap in snapshot.values():
+            raw.update({getattr(k, "value", k): v for k, v in snap.items()})
+        return folded(snapshot, host)
+
+    def spy_states(optimizer):
+        states.append(held(optimizer))
+        return states[-1]
+
+    spec = ModelSpec(**model)
+    plan = as_plan({**base, **knobs}).validate(8, spec)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step, "categories", spy)
+        mp.setattr(step, "state_bytes", spy_states)
+        r = rehearse_rank(spec, plan, rank, "cpu")
+    return dict(raw=raw, states=states[-1], peak=r["peak_bytes"], stages=r["stages"])
 
 
 RECEIVE_CASES = {"m=4": (dict(schedule="1f1b", global_batch=32), 4),
@@ -45,12 +53,9 @@ RECEIVE_CASES = {"m=4": (dict(schedule="1f1b", global_batch=32), 4),
 
 @pytest.fixture(scope="module")
 def rehearsals() -> dict:
-    """Both tests' rehearsals in one child process (one torch import instead of two). RAW
-    wraps two functions of meshtron.rehearse.step for the rest of its process: it runs last."""
-    return run_jobs({
-        "receive buffers": (PEAK, [dict(MODEL, layers=2), BASE, RECEIVE_CASES]),
-        "raw zbv rank 4": (RAW, [MODEL, BASE, dict(schedule="zbv"), 4]),
-    })
+    """Both tests' rehearsals, in this process (a child imported torch again; suite time)."""
+    return {"receive buffers": _peaks(dict(MODEL, layers=2), BASE, RECEIVE_CASES),
+            "raw zbv rank 4": _raw_rehearsal(MODEL, BASE, dict(schedule="zbv"), 4)}
 
 
 def test_a_second_stage_parameters_are_counted_once(rehearsals):
@@ -59,7 +64,7 @@ def test_a_second_stage_parameters_are_counted_once(rehearsals):
     (where AdamW's in-place updates would first show them), and nothing adds them again:
     its optimizer category is AdamW's states exactly (before: states + the second stage's
     shards, 5.6 MiB here, and the same shards added again as `untracked`)."""
-    r = job_result(rehearsals, "raw zbv rank 4")
+    r = rehearsals["raw zbv rank 4"]
     assert r["stages"] == [1, 2]
     raw, peak = r["raw"], r["peak"]
     # the states and nothing else (AdamW's 4-byte step counters are tracked as states too)
@@ -72,19 +77,18 @@ def test_a_second_stage_parameters_are_counted_once(rehearsals):
     assert peak["total"] == raw["Total"]
 
 
-PEAK = """
-import json, sys
-from meshtron.model.spec import ModelSpec
-from meshtron.planner.plan import as_plan
-from meshtron.rehearse.rank import rehearse_rank
-model, base, cases = json.loads(sys.argv[1])
-out = {}
-for name, (knobs, rank) in cases.items():
-    spec = ModelSpec(**model)
-    plan = as_plan({**base, **knobs}).validate(8, spec)
-    out[name] = rehearse_rank(spec, plan, rank, "cpu", exact=True)["peak_bytes"]["total"]
-print("RESULT" + json.dumps(out))
-"""
+def _peaks(model: dict, base: dict, cases: dict) -> dict:
+    """Each case's rehearsed peak total (exact) of one rank."""
+    from meshtron.model.spec import ModelSpec
+    from meshtron.planner.plan import as_plan
+    from meshtron.rehearse.rank import rehearse_rank
+
+    out = {}
+    for name, (knobs, rank) in cases.items():
+        spec = ModelSpec(**model)
+        plan = as_plan({**base, **knobs}).validate(8, spec)
+        out[name] = rehearse_rank(spec, plan, rank, "cpu", exact=True)["peak_bytes"]["total"]
+    return out
 
 
 def test_a_stage_holds_a_receive_buffer_per_micro_batch(rehearsals):
@@ -94,7 +98,7 @@ def test_a_stage_holds_a_receive_buffer_per_micro_batch(rehearsals):
     more [2, 512, 512] bf16 buffers (1 MiB each) for 4 more micro-batches, and the batch's
     4 more rows of token ids and targets (int64). Before, received inputs were freed after
     their backward: only the token ids grew."""
-    r = job_result(rehearsals, "receive buffers")
+    r = rehearsals["receive buffers"]
     buffer = 2 * 512 * 512 * 2
     ids = 2 * (4 * 2) * 512 * 8  # tokens and targets: 4 micro-batches of 2 rows more
     assert r["m=8"] - r["m=4"] == pytest.approx(4 * buffer + ids, abs=4096)

@@ -31,21 +31,20 @@ def _plan(run_dir):
     return tomllib.loads((run_dir / "plan.toml").read_text())
 
 
-def test_resume_without_nproc_runs_on_the_recorded_ranks(tmp_path):
+def test_resume_without_nproc_runs_on_the_recorded_ranks(tmp_path, pp2_run):
     """`--resume` alone (no --nproc, no layout) of a 2-rank pp=2 run: it continues on 2 ranks
     and on the checkpoint's pp=2 plan (the planner picks dp=2 for this model on 2 ranks), bit
     for bit the run never interrupted. Both launchers (the plan, checkpoints, --resume's checks)
     run without torch on this GPU-less node (testkit/no_torch.py). Session 56: one pair of
     launches for what this test (a DiLoCo run, searched) and test_resume_extend.py's
     test_resume_without_a_layout_continues_on_the_runs_plan (now slow) each launched; a 2-rank
-    DiLoCo run resumed: tests/test_compress_resume.py::test_int8_resume_on_the_same_layout_is_the_same_run[diloco3]."""
-    ref = tmp_path / "ref"
-    code, _, err = _run("train", *RUN, "--nproc", "2", "--plan", "pp=2", "--steps", "4",
-                        "--checkpoint-every", "2", "--run-dir", str(ref),
-                        command=no_torch.COMMAND)
-    assert code == 0, err[-2000:]
+    DiLoCo run resumed: tests/test_compress_resume.py::test_int8_resume_on_the_same_layout_is_the_same_run[diloco3].
+    Session 57: the run is conftest.py `pp2_run` (5 steps, checkpoints every 2; its launcher
+    under testkit.no_torch too), which tests/test_doctor_timeline.py reads: one 2-rank launch
+    for both files. Resumed here from its step 2."""
+    ref = pp2_run
     run_dir = tmp_path / "resumed"
-    _drop_last(ref, run_dir, (4,))
+    _drop_last(ref, run_dir, [s for s, _ in store.committed(store.checkpoint_root(ref)) if s > 2])
     code, _, err = _run("train", "--run-dir", str(run_dir), "--resume", command=no_torch.COMMAND)
     assert code == 0, err[-2000:]
     assert "resuming on" not in err and "resumed from" in err, err[-2000:]

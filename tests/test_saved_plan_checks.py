@@ -79,12 +79,18 @@ CONFIG_JSON_TRAIN = ["train", "--zero", "1", "--eval-every", "0", "--seq-len", "
                      "--global-batch", "4", "--run-dir", "run"]
 
 
+BOX = ("peak_tflops = 0.2\nmemory_gib = 4\ngpus_per_node = 1\nnodes = 1\n"
+       "intra_node_gb_per_s = 5\ninter_node_gb_per_s = 5\nhost_memory_gib = 16\n")
+"""cal/box.toml: a cluster file as `meshtron calibrate` writes one."""
+
+
 @pytest.fixture(scope="module")
 def config_json_run(tmp_path_factory):
-    """The folder of `meshtron train --model cfg/config.json CONFIG_JSON_TRAIN --steps 2
-    --checkpoint-every 2` (a planned 1-rank launch, in this process) beside its cfg/ and an
-    empty sub/: priced as it is by one test, resumed from a copy by another (one launch, not
-    one each; suite time). Read only."""
+    """The folder of `meshtron train --model cfg/config.json --cluster cal/box.toml
+    CONFIG_JSON_TRAIN --steps 2 --checkpoint-every 2` (a planned 1-rank launch, in this
+    process) beside its cfg/, cal/ and an empty sub/: priced as it is by two tests (its model,
+    its cluster file), resumed from a copy by another (one launch, not one each; suite time).
+    Read only."""
     import json
 
     from testkit.cli_inproc import meshtron_main
@@ -92,11 +98,13 @@ def config_json_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("config-json")
     (root / "cfg").mkdir()
     (root / "cfg" / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    (root / "cal").mkdir()
+    (root / "cal" / "box.toml").write_text(BOX)
     (root / "sub").mkdir()
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(root)
-        rc, _, err = meshtron_main(*CONFIG_JSON_TRAIN, "--model", "cfg/config.json", "--steps",
-                                   "2", "--checkpoint-every", "2")
+        rc, _, err = meshtron_main(*CONFIG_JSON_TRAIN, "--model", "cfg/config.json", "--cluster",
+                                   "cal/box.toml", "--steps", "2", "--checkpoint-every", "2")
     assert rc == 0, err
     return root
 
@@ -116,28 +124,19 @@ def test_a_run_folders_plan_of_a_config_json_model_is_priced(config_json_run, mo
     assert rc == 0 and "simulated" in out, err
 
 
-def test_a_run_on_a_cluster_file_records_the_file_for_cost(tmp_path, monkeypatch):
+def test_a_run_on_a_cluster_file_records_the_file_for_cost(config_json_run, monkeypatch):
     """Audit s54: a run trained with `--cluster cal/box.toml` (a calibration's file) recorded
     the cluster by its stem ('box') in plan.toml, and `cost --plan RUN/plan.toml` refused it
     ("expected a preset ... or a TOML file path"), `--cluster cal/box.toml` as a
     contradiction. The plan now records the file by its absolute path: priced from another
-    folder as the run predicted."""
+    folder as the run predicted. The run: the module's config.json run, trained on that file
+    (its own 1-rank launch of the debug preset here cost ~6 CPU s; suite time)."""
     from testkit.cli_inproc import meshtron_main
 
-    (tmp_path / "cal").mkdir()
-    (tmp_path / "cal" / "box.toml").write_text(
-        "peak_tflops = 0.2\nmemory_gib = 4\ngpus_per_node = 1\nnodes = 1\n"
-        "intra_node_gb_per_s = 5\ninter_node_gb_per_s = 5\nhost_memory_gib = 16\n")
-    monkeypatch.chdir(tmp_path)
-    rc, _, err = meshtron_main("train", "--model", "debug", "--cluster", "cal/box.toml",
-                               "--zero", "1", "--steps", "1", "--eval-every", "0", "--seq-len",
-                               "32", "--global-batch", "4", "--run-dir", "run")
-    assert rc == 0, err
-    saved = (tmp_path / "run" / "plan.toml").read_text()
-    assert f'cluster = "{tmp_path / "cal" / "box.toml"}"' in saved, saved
-    (tmp_path / "elsewhere").mkdir()
-    monkeypatch.chdir(tmp_path / "elsewhere")
-    _priced_as_predicted("../run/plan.toml", tmp_path / "run")
+    saved = (config_json_run / "run" / "plan.toml").read_text()
+    assert f'cluster = "{config_json_run / "cal" / "box.toml"}"' in saved, saved
+    monkeypatch.chdir(config_json_run / "sub")
+    _priced_as_predicted("../run/plan.toml", config_json_run / "run")
     rc, out, err = meshtron_main("cost", "--plan", "../run/plan.toml", "--cluster",
                                  "../cal/box.toml", "--price-on-demand", "1", "--gpu-watts",
                                  "100", "--runs", "50")
